@@ -1,0 +1,51 @@
+"""Engine settings (the CLI's and later the server's flags)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or an int → bytes (binary units either way: memory is sized in GiB)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise InvalidRequestError(f"Not a size in bytes: {value!r}", param="kv_cache_memory") from None
+    return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
+
+
+@dataclass
+class EngineConfig:
+    model: str = "default"  # "default", a Hugging Face directory, or "random:<shape>"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available
+    seed: int = 0  # weights of random:<shape> models
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, 80% of free on GPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's, capped by what the KV budget holds
+    enable_prefix_caching: bool = True
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]

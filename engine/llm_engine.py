@@ -1,0 +1,285 @@
+"""The engine: requests in, one step at a time, token deltas out per request."""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, parse_bytes
+from engine.errors import ContextLengthError, InvalidRequestError
+from engine.loader import RANDOM_PREFIX, load_model
+from engine.model_runner import ModelRunner
+from engine.model_store import resolve_model
+from engine.outputs import RequestOutput, SampleDelta, Usage
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("minillm.engine")
+
+Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+
+
+@dataclass
+class EngineStats:
+    """Live numbers for metrics; counters only grow."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_bytes_per_block: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device, dtype = config.torch_device(), config.torch_dtype()
+        is_random = config.model.startswith(RANDOM_PREFIX)
+        source: str | Path = config.model if is_random else resolve_model(config.model)
+        self.model = load_model(source, dtype, device, seed=config.seed)
+        self.model_config = self.model.cfg
+        self.tokenizer = None if is_random or not Tokenizer.present(Path(source)) else Tokenizer.from_dir(Path(source))
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
+        )
+        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token(dtype.itemsize)
+        num_blocks = self._kv_budget(device) // bytes_per_block
+        if num_blocks < 2:
+            raise InvalidRequestError(f"The KV budget holds {num_blocks} blocks; give --kv-cache-memory more.")
+        # No sequence may need more blocks than the pool has, or it could never run.
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
+        )
+        self.model_config.check_context(self.max_model_len)
+        self.kv_bytes_per_block = bytes_per_block
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len %d",
+                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 num_blocks * bytes_per_block / 2**20, self.max_model_len)
+
+    def _kv_budget(self, device: torch.device) -> int:
+        if self.config.kv_cache_memory is not None:
+            return parse_bytes(self.config.kv_cache_memory)
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] * 0.8)
+        return 1 << 30
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Tokenize and validate; raises a typed error before anything is queued. Touches no engine state."""
+        vocab = self.model_config.vocab_size
+        params.validate(vocab_size=vocab)
+        if isinstance(prompt, str):
+            token_ids = self._need_tokenizer().encode(prompt)
+        elif prompt and all(isinstance(m, dict) for m in prompt):
+            token_ids = self._need_tokenizer().apply_chat_template(prompt)  # type: ignore[arg-type]
+        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)  # type: ignore[arg-type]
+            if not all(0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError("Prompt token ids must be in [0, vocab size).", param="prompt")
+        else:
+            raise InvalidRequestError("The prompt must be text, token ids or chat messages, and not empty.", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("The prompt is empty after tokenization.", param="prompt")
+        room = self.max_model_len - len(token_ids)
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(token_ids) + (params.max_tokens or 1)} tokens ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens or 1} for the completion). Please reduce the prompt or max_tokens."
+            )
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_tokens=params.max_tokens or room,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequestError("This model has no tokenizer: send token ids.", param="prompt")
+        return self.tokenizer
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by make_request (its first sample; the rest fork after the prompt)."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"Duplicate request id {request.request_id}.")
+        seed = request.params.seed if request.params.seed is not None else secrets.randbits(62)
+        seq = Sequence(request, 0, list(request.prompt_token_ids), seed)
+        request.sequences.append(seq)
+        self.requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        request = self.make_request(prompt, params, request_id)
+        self.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (client gone); its blocks return to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        deltas = []
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                deltas.append(SampleDelta(seq.index, [], "", None, "abort"))
+        request.params.n = len(request.sequences)  # no forks will come
+        return RequestOutput(request_id, deltas, self._usage(request), finished=True)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.request.first_scheduled_time is None:
+                s.seq.request.first_scheduled_time = now
+        sampled = self.runner.execute(out)
+        self.scheduler.update_computed(out)
+        self.prompt_tokens_total += sum(
+            max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
+            for s in out.scheduled
+        )
+        if sampled is None:
+            return []
+        outputs: dict[str, RequestOutput] = {}
+        sampling = [s for s in out.scheduled if s.samples]
+        for s, token_id, logprobs in zip(sampling, sampled.token_ids.tolist(), sampled.logprobs):
+            request = s.seq.request
+            if request.request_id not in self.requests:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            delta = self._append(s.seq, token_id, logprobs)
+            ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
+            ro.deltas.append(delta)
+        for ro in outputs.values():
+            request = self.requests[ro.request_id]
+            ro.usage = self._usage(request)
+            if request.is_finished:
+                ro.finished = True
+                del self.requests[ro.request_id]
+        return list(outputs.values())
+
+    def _append(self, seq: Sequence, token_id: int, logprobs: Any) -> SampleDelta:
+        """Add a sampled token, find out whether the sample is done, and say what text became final."""
+        request, params = seq.request, seq.request.params
+        seq.token_ids.append(token_id)
+        self.generation_tokens_total += 1
+        if seq.detokenizer is None and self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        text = seq.detokenizer.add(token_id) if seq.detokenizer else ""
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if token_id in params.stop_token_ids or token_id in request.eos_token_ids:
+            reason, stop_reason = "stop", token_id
+        elif seq.detokenizer and seq.detokenizer.stop_hit is not None:
+            reason, stop_reason = "stop", seq.detokenizer.stop_hit
+        elif len(seq.token_ids) - request.num_prompt_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer and stop_reason is None or isinstance(stop_reason, int):
+                text += seq.detokenizer.flush() if seq.detokenizer else ""
+            self.scheduler.finish(seq, reason)
+        return SampleDelta(seq.index, [token_id], text, None if logprobs is None else [logprobs], reason, stop_reason)
+
+    def _usage(self, request: Request) -> Usage:
+        return Usage(
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=sum(len(s.token_ids) - request.num_prompt_tokens for s in request.sequences),
+            cached_tokens=request.sequences[0].num_cached_prompt_tokens if request.sequences else 0,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            kv_bytes_per_block=self.kv_bytes_per_block,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+        )
+
+    # ---- offline use (CLI, tests, benchmarks) ---------------------------------------------------
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion in one continuous batch; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, params_list)]
+        results = {rid: Completion(rid) for rid in ids}
+        while self.has_unfinished():
+            for ro in self.step():
+                results[ro.request_id].extend(ro)
+        return [results[rid] for rid in ids]
+
+
+@dataclass
+class Completion:
+    """A finished request gathered from its deltas (offline use)."""
+
+    request_id: str
+    samples: dict[int, "SampleResult"] | None = None
+    usage: Usage | None = None
+
+    def extend(self, ro: RequestOutput) -> None:
+        self.samples = self.samples or {}
+        for d in ro.deltas:
+            r = self.samples.setdefault(d.index, SampleResult())
+            r.token_ids += d.token_ids
+            r.text += d.text
+            r.logprobs += d.logprobs or []
+            r.finish_reason = d.finish_reason or r.finish_reason
+        self.usage = ro.usage
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids if self.samples else []
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text if self.samples else ""
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int] = None  # type: ignore[assignment]
+    text: str = ""
+    logprobs: list[Any] = None  # type: ignore[assignment]
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.token_ids or []
+        self.logprobs = self.logprobs or []

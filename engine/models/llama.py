@@ -1,0 +1,91 @@
+"""One decoder for the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2.
+
+QKV and gate/up are single merged projections (the loader fills their slices), and every op that
+gets a Triton kernel goes through kernels/.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.config import ModelConfig
+from kernels.activation import silu_mul
+from kernels.attention import AttentionMetadata, paged_attention
+from kernels.rmsnorm import rms_norm
+from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_split = [q_size, kv_size, kv_size]
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = hidden.shape[0]
+        hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        hidden = self.o_proj(attn.reshape(tokens, -1))
+        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        hidden = self.down_proj(silu_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class DecoderModel(nn.Module):
+    """Token ids in, hidden states out; `compute_logits` turns chosen rows into float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype
+        )
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
+
+    def init_rope(self, max_positions: int) -> None:
+        """Precompute the cos/sin table on the model's device (after weights are in place)."""
+        self.cos_sin = rope_cos_sin(self.inv_freq.float().cpu(), max_positions).to(self.inv_freq.device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        assert self.cos_sin is not None, "call init_rope() first"
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, self.cos_sin)
+        hidden, _ = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

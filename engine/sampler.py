@@ -1,0 +1,207 @@
+"""Batched token sampling: logit bias, penalties, temperature, min-p/top-k/top-p, seeded Gumbel-max.
+
+Logprobs are taken from the model's raw distribution, log_softmax of the unmodified logits (before
+bias, penalties, temperature and filters), as vLLM does by default.
+
+Randomness is counter-based: the Gumbel noise of a row at vocab index v is a pure function of
+(seed, counter, v), computed by an integer hash on the logits' device, so a seeded row draws the
+same token whatever else is in the batch and wherever it sits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, TypeVar
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+# Round constants for the per-row keys; any distinct values do.
+_KEY1, _KEY2 = 0x3C6EF372, 0x1B873593
+_Int = TypeVar("_Int", int, torch.Tensor)
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample from."""
+
+    params: SamplingParams
+    seed: int  # this sample's effective seed (the engine gives unseeded requests a random one)
+    counter: int  # index of the token being sampled in its sequence; with seed, the key of its randomness
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's raw logprob and, if asked, the most likely alternatives."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its logprob
+    top: list[tuple[int, float]]  # params.logprobs most likely (token_id, logprob), most likely first
+
+
+@dataclass
+class SamplerOutput:
+    """The batch's sampled tokens and, per row, their logprobs."""
+
+    token_ids: torch.Tensor  # [B] int64, on logits.device
+    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+
+
+def _mix32(x: _Int) -> _Int:
+    """A 32-bit xorshift-multiply hash (a bijection); works on Python ints and int64 tensors alike.
+
+    Values stay in [0, 2**32) and both multipliers are < 2**31, so no int64 product overflows.
+    """
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _row_keys(seed: int, counter: int) -> tuple[int, int]:
+    """Two 32-bit keys standing for (seed, counter): every bit of either input feeds both keys."""
+    seed &= (1 << 64) - 1  # negative or huge seeds: use their low 64 bits
+    key = _mix32(_mix32(_mix32((seed & _MASK32) ^ _KEY1) ^ (seed >> 32)) ^ (counter & _MASK32))
+    return key, _mix32(key ^ _KEY2)
+
+
+def gumbel_noise(seeds: Sequence[int], counters: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 standard Gumbel noise; entry (r, v) depends only on (seeds[r], counters[r], v)."""
+    keys = torch.tensor([_row_keys(s, c) for s, c in zip(seeds, counters)], dtype=torch.int64, device=device)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    bits = _mix32(_mix32(vocab ^ keys[:, :1]) ^ keys[:, 1:])
+    # 23 bits -> u = (2k + 1) / 2**24: exact in float32 and strictly inside (0, 1).
+    u = ((bits >> 9) * 2 + 1).to(torch.float32) / float(1 << 24)
+    return -torch.log(-torch.log(u))
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """A [B, 1] float32 tensor of one per-row parameter, to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=torch.float32, device=device).reshape(len(values), 1)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Add each row's logit_bias to its logits (out of place)."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            token_idx.append(int(token_id))
+            biases.append(float(bias))
+    if not biases:
+        return logits
+    device = logits.device
+    index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 count of each token id per row, by scatter_add from a padded id tensor."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    # Padding points at an extra column that is dropped afterwards.
+    padded = [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Apply the repetition penalty, then frequency and presence penalties (out of place).
+
+    repetition (HF/vLLM), for tokens in the prompt or output: logit / p if logit > 0 else logit * p.
+    frequency/presence (OpenAI), over output tokens: logit -= count * frequency + (count > 0) * presence.
+    """
+    params = [row.params for row in rows]
+    needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    needs_counts = any(p.frequency_penalty or p.presence_penalty for p in params)
+    if not (needs_repetition or needs_counts):
+        return logits
+    vocab_size, device = logits.shape[-1], logits.device
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+    if needs_repetition:
+        penalty = _column([p.repetition_penalty for p in params], device)
+        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device)
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if needs_counts:
+        frequency = _column([p.frequency_penalty for p in params], device)
+        presence = _column([p.presence_penalty for p in params], device)
+        logits = logits - output_counts * frequency - (output_counts > 0).float() * presence
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Mask to -inf the tokens outside each row's min_p, then top_k, then top_p set (vLLM's order).
+
+    `logits` are already divided by temperature. top_p applies to the distribution top_k leaves,
+    renormalized; the most likely token is always kept.
+    """
+    params = [row.params for row in rows]
+    vocab_size, device = logits.shape[-1], logits.device
+    if any(p.min_p > 0 for p in params):
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); min_p = 0 gives -inf, masks nothing.
+        floor = logits.amax(dim=-1, keepdim=True) + _column([p.min_p for p in params], device).log()
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if all(k == vocab_size for k in top_k) and all(p.top_p >= 1.0 for p in params):
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)  # one sort serves top_k and top_p
+    ranks = torch.arange(vocab_size, device=device)
+    ordered = ordered.masked_fill(ranks >= _column(top_k, device), float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
+    # top_p = 1 must keep everything, even where rounding pushes the cumulative sum past 1.
+    top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device)
+    ordered = ordered.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def _draw(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Gumbel-max for non-greedy rows: argmax of the filtered logits / temperature plus seeded noise."""
+    device = scores.device
+    scaled = scores / _column([row.params.temperature for row in rows], device)
+    noise = gumbel_noise([row.seed for row in rows], [row.counter for row in rows], scores.shape[-1], device)
+    return (apply_filters(scaled, rows) + noise).argmax(dim=-1)
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
+    """Per row, the raw-distribution logprob of its sampled token and its top params.logprobs tokens."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=raw.device)
+    logprobs = raw[index].log_softmax(dim=-1)
+    chosen = token_ids[index]
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(k, dim=-1)  # k = 0 gives empty rows
+    top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+    for j, (i, token_id) in enumerate(zip(wanted, chosen.tolist())):
+        n = rows[i].params.logprobs or 0
+        top = list(zip(top_id_list[j][:n], top_value_list[j][:n]))
+        result[i] = TokenLogprobs(token_id=token_id, logprob=chosen_logprobs[j], top=top)
+    return result
+
+
+class Sampler:
+    """Picks one token per row of a [B, V] logits batch; stateless, so one instance serves the engine."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed."""
+        raw = logits.float()
+        scores = apply_penalties(apply_logit_bias(raw, rows), rows)
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if sampled and len(sampled) == len(rows):
+            token_ids = _draw(scores, rows)
+        else:
+            token_ids = scores.argmax(dim=-1)
+            if sampled:
+                index = torch.tensor(sampled, device=logits.device)
+                token_ids[index] = _draw(scores[index], [rows[i] for i in sampled])
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, token_ids, rows))

@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache, for any mix of prefill chunks and decodes in one batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys are. Sequences are packed back to back in the batch.
+
+    Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; its keys are its first
+    seq_lens[b] tokens, already in the cache at the slots its block table names. Its queries are
+    the last (query length) of those tokens, so attention is causal with an offset.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Torch reference. q: [T, H, D]; caches: [num_blocks, block_size, KV, D]; returns [T, H, D]."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    starts = meta.query_start_loc.tolist()
+    if decode_rows:
+        # All single-token queries at once: gather each sequence's keys, padded, and mask the tail.
+        rows = torch.tensor(decode_rows, device=q.device)
+        max_len = max(meta.seq_lens_cpu[b] for b in decode_rows)
+        num_blocks = -(-max_len // block_size)
+        tables = meta.block_tables[rows, :num_blocks].long()
+        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, KV, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len]
+        lens = meta.seq_lens[rows].to(q.device)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
+        q_rows = torch.tensor([starts[b] for b in decode_rows], device=q.device)
+        o = F.scaled_dot_product_attention(
+            q[q_rows][:, :, None, :],  # [B, H, 1, D]
+            k.transpose(1, 2).to(q.dtype),
+            v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q_rows] = o[:, :, 0, :]
+    for b, q_len in enumerate(meta.query_lens_cpu):
+        if q_len == 1:
+            continue
+        seq_len = meta.seq_lens_cpu[b]
+        num_blocks = -(-seq_len // block_size)
+        table = meta.block_tables[b, :num_blocks].long()
+        k = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)  # [KV, L, D]
+        v = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+        qb = q[starts[b] : starts[b] + q_len].transpose(0, 1)  # [H, q_len, D]
+        # Query i sits at position seq_len - q_len + i and sees keys up to and including itself.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Paged attention; dispatches to the best implementation for the device."""
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

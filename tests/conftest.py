@@ -1,0 +1,63 @@
+"""Fixtures shared across the test suite."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.model_store import DEFAULT_DIR_NAME, ensure_default_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The converted default model: reused from $MINILLM_MODELS_DIR if set, else converted once
+    per session (~20 s) under pytest's temporary directory."""
+    if os.environ.get("MINILLM_MODELS_DIR"):
+        return ensure_default_model()
+    return ensure_default_model(tmp_path_factory.mktemp("models") / DEFAULT_DIR_NAME)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: a random-weight checkpoint of a named tiny shape, built and saved by transformers
+    with a fixed seed (made once per session), and the transformers model itself as the reference."""
+    import torch
+    import transformers
+
+    from engine.models.shapes import shape_config
+
+    made: dict[tuple[str, tuple], tuple[Path, transformers.PreTrainedModel]] = {}
+
+    def make(shape: str, **overrides) -> tuple[Path, transformers.PreTrainedModel]:
+        key = (shape, tuple(sorted(overrides.items())))
+        if key not in made:
+            cfg = {**shape_config(shape), **overrides}
+            model_type = cfg.pop("model_type")
+            # A wide init makes the logits peaked, so greedy choices are not near-ties.
+            hf_config = transformers.AutoConfig.for_model(model_type, initializer_range=0.2, **cfg)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+            with torch.no_grad():  # transformers inits biases to 0 and norms to 1: make them count
+                for name, param in model.named_parameters():
+                    if name.endswith("bias"):
+                        param.normal_(0.0, 0.5)
+                    elif name.endswith("norm.weight"):
+                        param.uniform_(0.5, 1.5)
+            path = tmp_path_factory.mktemp(shape)
+            model.save_pretrained(path)
+            made[key] = (path, model)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_model_dir: Path):
+    """transformers' own model and tokenizer on the default model directory: the reference."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return model, tokenizer
