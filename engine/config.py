@@ -30,7 +30,7 @@ class EngineConfig:
     model: str = "default"  # "default", a Hugging Face directory, or "random:<shape>"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available
-    seed: int = 0  # weights of random:<shape> models
+    weights_seed: int = 0  # seed of the weights of random:<shape> models
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, 80% of free on GPU
     max_num_seqs: int = 256

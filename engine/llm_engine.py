@@ -50,7 +50,7 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         is_random = config.model.startswith(RANDOM_PREFIX)
         source: str | Path = config.model if is_random else resolve_model(config.model)
-        self.model = load_model(source, dtype, device, seed=config.seed)
+        self.model = load_model(source, dtype, device, seed=config.weights_seed)
         self.model_config = self.model.cfg
         self.tokenizer = None if is_random or not Tokenizer.present(Path(source)) else Tokenizer.from_dir(Path(source))
         self.eos_token_ids = (
@@ -91,9 +91,11 @@ class LLMEngine:
         params.validate(vocab_size=vocab)
         if isinstance(prompt, str):
             token_ids = self._need_tokenizer().encode(prompt)
-        elif prompt and all(isinstance(m, dict) for m in prompt):
+        elif not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("The prompt must be text, token ids or chat messages, and not empty.", param="prompt")
+        elif all(isinstance(m, dict) for m in prompt):
             token_ids = self._need_tokenizer().apply_chat_template(prompt)  # type: ignore[arg-type]
-        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)  # type: ignore[arg-type]
             if not all(0 <= t < vocab for t in token_ids):
                 raise InvalidRequestError("Prompt token ids must be in [0, vocab size).", param="prompt")

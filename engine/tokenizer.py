@@ -95,6 +95,11 @@ class IncrementalDetokenizer:
         return text[: len(text) - hold]
 
     def flush(self) -> str:
-        """At the end of a sample (not by stop string): the held-back text is final after all."""
-        text, self.pending = self.pending, ""
+        """At the end of a sample (not by stop string): the held-back text is final after all,
+        including a trailing incomplete character, which decodes to U+FFFD as in a full decode."""
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        text = self._release(full[len(prefix) :])
+        text, self.pending = text + self.pending, ""
         return text

@@ -1,0 +1,129 @@
+"""The engine's step loop in its own thread, so the HTTP layer never waits on the model.
+
+Requests come in through one command queue; each request's outputs go back through its own
+asyncio queue on the caller's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.errors import EngineDeadError, InvalidRequestError, MinillmError
+from engine.llm_engine import EngineStats, LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Request
+
+log = logging.getLogger("minillm.engine")
+
+
+@dataclass
+class _Channel:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._channels: dict[str, _Channel] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self._stats = engine.stats()
+        self.error: BaseException | None = None
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def stats(self) -> EngineStats:
+        """The numbers as of the last step (read without stopping the loop)."""
+        return self._stats
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs step by step. Bad input raises before the first
+        yield; leaving the loop early (client gone) aborts the request and frees its blocks."""
+        if not self.is_alive:
+            raise EngineDeadError("The engine is not running.")
+        if request_id is not None and request_id in self._channels:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        request = self.engine.make_request(prompt, params, request_id)
+        channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
+        self._channels[request.request_id] = channel
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await channel.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._channels.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._take_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001 - whatever killed the loop must reach every waiter
+            log.exception("engine loop died")
+            self.error = e
+            for channel in list(self._channels.values()):
+                channel.put(EngineDeadError(f"The engine loop died: {e!r}"))
+
+    def _take_commands(self, block: bool) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                assert isinstance(arg, Request)
+                try:
+                    self.engine.add(arg)
+                except MinillmError as e:
+                    if channel := self._channels.get(arg.request_id):
+                        channel.put(e)
+            elif kind == "abort":
+                out = self.engine.abort(str(arg))
+                if out is not None:
+                    self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if channel := self._channels.get(out.request_id):
+                channel.put(out)
