@@ -62,7 +62,8 @@ def stream(engine: LLMEngine, prompt: Prompt, params: SamplingParams) -> str:
             for delta in out.deltas:
                 text += delta.text
                 print(delta.text, end="", flush=True)
-    print(f"\n[{request.sequences[0].finish_reason}: {len(request.sequences[0].output_token_ids)} tokens]",
+    print()
+    print(f"[{request.sequences[0].finish_reason}: {len(request.sequences[0].output_token_ids)} tokens]",
           file=sys.stderr)
     return text
 

@@ -7,7 +7,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties, gumbel_noise
+from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties
+from kernels.sampling import gumbel_noise
 from engine.sampling_params import SamplingParams
 
 sampler = Sampler()
