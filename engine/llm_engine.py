@@ -5,7 +5,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from engine.loader import RANDOM_PREFIX, load_model
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, SampleDelta, Usage
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
@@ -40,7 +41,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     preemptions: int
-    prompt_tokens: int
+    prompt_tokens: int  # of every request added
+    computed_prompt_tokens: int  # prompt tokens whose KV was computed: not from the prefix cache
     generation_tokens: int
 
 
@@ -131,6 +133,7 @@ class LLMEngine:
         seq = Sequence(request, 0, list(request.prompt_token_ids), seed)
         request.sequences.append(seq)
         self.requests[request.request_id] = request
+        self.prompt_tokens_total += request.num_prompt_tokens
         self.scheduler.add(seq)
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -148,7 +151,6 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 deltas.append(SampleDelta(seq.index, [], "", None, "abort"))
-        request.params.n = len(request.sequences)  # no forks will come
         return RequestOutput(request_id, deltas, self._usage(request), finished=True)
 
     def has_unfinished(self) -> bool:
@@ -166,18 +168,12 @@ class LLMEngine:
                 s.seq.request.first_scheduled_time = now
         sampled = self.runner.execute(out)
         self.scheduler.update_computed(out)
-        self.prompt_tokens_total += sum(
-            max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
-            for s in out.scheduled
-        )
         if sampled is None:
             return []
         outputs: dict[str, RequestOutput] = {}
         sampling = [s for s in out.scheduled if s.samples]
         for s, token_id, logprobs in zip(sampling, sampled.token_ids.tolist(), sampled.logprobs):
             request = s.seq.request
-            if request.request_id not in self.requests:
-                continue
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             delta = self._append(s.seq, token_id, logprobs)
@@ -191,7 +187,7 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _append(self, seq: Sequence, token_id: int, logprobs: Any) -> SampleDelta:
+    def _append(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
         """Add a sampled token, find out whether the sample is done, and say what text became final."""
         request, params = seq.request, seq.request.params
         seq.token_ids.append(token_id)
@@ -208,8 +204,10 @@ class LLMEngine:
         elif len(seq.token_ids) - request.num_prompt_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if seq.detokenizer and stop_reason is None or isinstance(stop_reason, int):
-                text += seq.detokenizer.flush() if seq.detokenizer else ""
+            if seq.detokenizer and seq.detokenizer.stop_hit is None:
+                text += seq.detokenizer.flush()  # held-back text was not a stop string after all...
+                if seq.detokenizer.stop_hit is not None and reason == "length":  # ...unless it now is
+                    reason, stop_reason = "stop", seq.detokenizer.stop_hit
             self.scheduler.finish(seq, reason)
         return SampleDelta(seq.index, [token_id], text, None if logprobs is None else [logprobs], reason, stop_reason)
 
@@ -232,6 +230,7 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits,
             preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total,
+            computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             generation_tokens=self.generation_tokens_total,
         )
 
@@ -249,15 +248,22 @@ class LLMEngine:
 
 
 @dataclass
+class SampleResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
 class Completion:
     """A finished request gathered from its deltas (offline use)."""
 
     request_id: str
-    samples: dict[int, "SampleResult"] | None = None
+    samples: dict[int, SampleResult] = field(default_factory=dict)
     usage: Usage | None = None
 
     def extend(self, ro: RequestOutput) -> None:
-        self.samples = self.samples or {}
         for d in ro.deltas:
             r = self.samples.setdefault(d.index, SampleResult())
             r.token_ids += d.token_ids
@@ -273,15 +279,3 @@ class Completion:
     @property
     def text(self) -> str:
         return self.samples[0].text if self.samples else ""
-
-
-@dataclass
-class SampleResult:
-    token_ids: list[int] = None  # type: ignore[assignment]
-    text: str = ""
-    logprobs: list[Any] = None  # type: ignore[assignment]
-    finish_reason: str | None = None
-
-    def __post_init__(self) -> None:
-        self.token_ids = self.token_ids or []
-        self.logprobs = self.logprobs or []

@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0  # prompt KV computed (not served from the prefix cache)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -126,6 +127,7 @@ class Scheduler:
             if s.num_new_tokens:
                 old = s.seq.num_computed_tokens
                 s.seq.num_computed_tokens += s.num_new_tokens
+                self.num_computed_prompt_tokens += max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - old)
                 self.block_manager.cache_full_blocks(s.seq, old)
 
     def finish(self, seq: Sequence, reason: str) -> None:

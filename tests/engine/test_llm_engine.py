@@ -89,7 +89,8 @@ def test_prefix_cache_computes_only_new_tokens(default_model_dir) -> None:
     after = engine.stats()
     hit = 200 // 16 * 16  # full blocks of the shared prefix
     assert after.prefix_cache_hits - before.prefix_cache_hits == hit
-    assert after.prompt_tokens - before.prompt_tokens == len(second) - hit
+    assert after.computed_prompt_tokens - before.computed_prompt_tokens == len(second) - hit
+    assert after.prompt_tokens - before.prompt_tokens == len(second)
     assert cached.usage.cached_tokens == hit
     [uncached] = make_engine(default_model_dir, enable_prefix_caching=False).generate([second], params)
     assert cached.token_ids == uncached.token_ids
