@@ -40,7 +40,7 @@ def reference(hf_default) -> list[list[int]]:
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **kw))
 
 
 def check_text(engine: LLMEngine, result: Completion) -> None:

@@ -20,7 +20,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-mistral", "tiny-qwen2"])
 def test_greedy_matches_transformers(tiny_model_dir, shape: str) -> None:
     path, hf = tiny_model_dir(shape)
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="32MiB"))
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory="32MiB"))
     gen = torch.Generator().manual_seed(1)
     # Lengths past tiny-llama3's original context (64) exercise llama3 rope scaling.
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40, 130)]
@@ -32,7 +32,7 @@ def test_greedy_matches_transformers(tiny_model_dir, shape: str) -> None:
 
 def test_qwen2_has_bias_and_untied_head(tiny_model_dir) -> None:
     path, hf = tiny_model_dir("tiny-qwen2")
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="32MiB"))
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory="32MiB"))
     layer = engine.model.layers[0]
     assert layer.qkv_proj.bias is not None and layer.qkv_proj.bias.abs().sum() > 0
     assert engine.model.lm_head is not None
@@ -43,8 +43,8 @@ def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path) -> None:
     path, hf = tiny_model_dir("tiny-llama3")
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    whole = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="16MiB"))
-    sharded = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory="16MiB"))
+    whole = LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory="16MiB"))
+    sharded = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_memory="16MiB"))
     for a, b in zip(whole.model.state_dict().values(), sharded.model.state_dict().values()):
         assert torch.equal(a, b)
 
@@ -52,7 +52,7 @@ def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
     path, hf = tiny_model_dir("tiny-llama3")
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, kv_cache_memory="16MiB"))
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype=dtype, kv_cache_memory="16MiB"))
     assert engine.runner.kv_cache.dtype == getattr(torch, dtype)
     [result] = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     # Half precision may flip a late near-tie, but the first greedy token is robust on this model.
