@@ -1,43 +1,14 @@
-"""`minillm`: the command line. `generate` for a quick try, `chat` to talk to a model."""
+"""`minillm`: the command line. `serve` runs the OpenAI-compatible server; `generate` and `chat` try a
+model in the terminal."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from dataclasses import fields
-
-from engine.config import EngineConfig
+from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.sampling_params import SamplingParams
-
-_ENGINE_FLAGS = {
-    "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
-    "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU)",
-    "device": "auto, cpu or cuda[:N]",
-    "weights_seed": "seed of the weights of random:<shape> models",
-    "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1GiB on CPU, 80%% of free memory on GPU)",
-    "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step (long prompts are prefilled in chunks)",
-    "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
-}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
-    for f in fields(EngineConfig):
-        if f.name in _ENGINE_FLAGS:
-            kind = int if f.type in ("int", "int | None") else str
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name),
-                                help=_ENGINE_FLAGS[f.name])
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="turn the prefix cache off")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)})
-
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -77,15 +48,23 @@ def as_prompt(engine: LLMEngine, text: str, raw: bool) -> Prompt:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="A compact LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Granian, one worker)",
+                         description="Every flag also reads a MINILLM_* environment variable, e.g. MINILLM_MODEL.")
+    add_arguments(srv, server=True)
     gen = sub.add_parser("generate", help="generate a reply to one prompt and print it as it streams")
     gen.add_argument("prompt")
     chat = sub.add_parser("chat", help="talk to the model in the terminal (empty line or Ctrl-D to quit)")
     for p in (gen, chat):
-        add_engine_args(p)
+        add_arguments(p, server=False)
         add_sampling_args(p)
         p.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve":
+        from app.server import serve  # imports Granian: only the server needs it
+
+        serve(server_settings(args))
+        return 0
     try:
         engine = LLMEngine(engine_config(args))
         params = sampling_params(args)

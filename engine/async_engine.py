@@ -60,16 +60,18 @@ class AsyncEngine:
         """The numbers as of the last step (read without stopping the loop)."""
         return self._stats
 
-    async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs step by step. Bad input raises before the first
-        yield; leaving the loop early (client gone) aborts the request and frees its blocks."""
+    def prepare(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Tokenize and validate now (raises typed errors), without queueing: callers check every
+        prompt of an API call before they send a byte."""
         if not self.is_alive:
             raise EngineDeadError("The engine is not running.")
         if request_id is not None and request_id in self._channels:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        request = self.engine.make_request(prompt, params, request_id)
+        return self.engine.make_request(prompt, params, request_id)
+
+    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a prepared request and yield its outputs step by step. Leaving the loop early
+        (client gone) aborts the request and frees its blocks."""
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
         self._channels[request.request_id] = channel
         self._commands.put(("add", request))
@@ -85,6 +87,13 @@ class AsyncEngine:
             self._channels.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """prepare() then stream(): bad input raises before the first yield."""
+        async for out in self.stream(self.prepare(prompt, params, request_id)):
+            yield out
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

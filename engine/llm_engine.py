@@ -17,7 +17,7 @@ from engine.errors import ContextLengthError, InvalidRequestError
 from engine.loader import RANDOM_PREFIX, load_model
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
-from engine.outputs import RequestOutput, SampleDelta, Usage
+from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -85,6 +85,14 @@ class LLMEngine:
             return int(torch.cuda.mem_get_info(device)[0] * 0.8)
         return 1 << 30
 
+    def warm_up(self) -> None:
+        """Run one tiny request through every stage (first-call costs land here, not on a client),
+        then forget it: counters start from zero."""
+        self.generate([[self.model_config.bos_token_id or 1] * 4], SamplingParams(max_tokens=1, ignore_eos=True))
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
+        self.scheduler.num_computed_prompt_tokens = 0
+
     # ---- requests -------------------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -151,7 +159,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 deltas.append(SampleDelta(seq.index, [], "", None, "abort"))
-        return RequestOutput(request_id, deltas, self._usage(request), finished=True)
+        return RequestOutput(request_id, deltas, self._usage(request), finished=True, times=self._times(request))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -184,6 +192,7 @@ class LLMEngine:
             ro.usage = self._usage(request)
             if request.is_finished:
                 ro.finished = True
+                ro.times = self._times(request)
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
@@ -210,6 +219,14 @@ class LLMEngine:
                     reason, stop_reason = "stop", seq.detokenizer.stop_hit
             self.scheduler.finish(seq, reason)
         return SampleDelta(seq.index, [token_id], text, None if logprobs is None else [logprobs], reason, stop_reason)
+
+    @staticmethod
+    def _times(request: Request) -> RequestTimes:
+        now = time.monotonic()
+        scheduled = request.first_scheduled_time or now
+        first_token = request.first_token_time or now
+        return RequestTimes(queue=scheduled - request.arrival_time, prefill=first_token - scheduled,
+                            decode=now - first_token, total=now - request.arrival_time)
 
     def _usage(self, request: Request) -> Usage:
         return Usage(

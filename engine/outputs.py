@@ -30,9 +30,20 @@ class Usage:
 
 
 @dataclass
+class RequestTimes:
+    """Where a finished request's time went (seconds, from the engine's monotonic clock)."""
+
+    queue: float  # arrival -> first scheduled
+    prefill: float  # first scheduled -> first token
+    decode: float  # first token -> finished
+    total: float  # arrival -> finished
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     deltas: list[SampleDelta] = field(default_factory=list)
     usage: Usage | None = None
     finished: bool = False
     prompt_token_ids: list[int] = field(default_factory=list)
+    times: RequestTimes | None = None  # on the finished output only

@@ -1,0 +1,85 @@
+"""Every error the server returns, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Handlers here are the one place typed errors become HTTP responses.
+"""
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.json import JSONResponse
+from engine.errors import EngineDeadError, MinillmError
+
+log = logging.getLogger("minillm.app")
+
+
+class APIError(MinillmError):
+    """An HTTP-level error raised by the app itself (auth, routing, limits)."""
+
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+        self.type = type
+        self.headers = headers or {}
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's location ('messages', 0, 'role') as OpenAI writes it: messages[0].role."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+async def handle_minillm_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, MinillmError)
+    if isinstance(exc, EngineDeadError):
+        return error_response(503, exc.message, "service_unavailable", code="engine_dead")
+    headers = exc.headers if isinstance(exc, APIError) else None
+    if exc.status >= 500:
+        log.error("request %s failed: %s", getattr(request.state, "request_id", "-"), exc.message)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, headers)
+
+
+async def handle_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ValidationError)
+    first = exc.errors(include_url=False)[0]
+    param = _param(tuple(first["loc"]))
+    return error_response(400, f"Invalid value for {param or 'the body'}: {first['msg']}.", "invalid_request_error", param or None)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kinds = {404: ("not_found_error", "Not found: " + request.url.path),
+             405: ("invalid_request_error", f"Method {request.method} is not allowed on {request.url.path}.")}
+    type_, message = kinds.get(exc.status_code, ("invalid_request_error", str(exc.detail)))
+    return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: log it with the request id, answer 500 without internals."""
+    request_id = getattr(request.state, "request_id", "-")
+    log.exception("request %s failed with an unexpected error", request_id)
+    return error_response(500, f"Internal server error (request id {request_id}).", "internal_error")
+
+
+EXCEPTION_HANDLERS = {
+    MinillmError: handle_minillm_error,
+    ValidationError: handle_validation_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

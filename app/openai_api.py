@@ -1,0 +1,395 @@
+"""The OpenAI-compatible routes: chat and text completions (streamed or not), models, tokenizer."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from app import tracing
+from app.errors import APIError, error_body
+from app.json import SSE_DONE, JSONResponse, loads, sse
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.state import AppState
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError, MinillmError
+from engine.outputs import RequestOutput, SampleDelta
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past the limit (even without Content-Length), 400 if not JSON."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", code="body_too_large")
+    try:
+        data = loads(bytes(body))
+    except ValueError:
+        raise APIError(400, "The body is not valid JSON.", "invalid_request_error") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The body must be a JSON object.", "invalid_request_error")
+    return data
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.minillm
+
+
+# ---- one generation: several prompts × n samples, merged into one stream of choices ------------
+
+
+@dataclass
+class Generation:
+    """Everything a chat or completions call produces, as it happens."""
+
+    kind: str  # "chat" or "completion"
+    id: str
+    model: str
+    n: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    ttft: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the prompt's index. Closing this
+    iterator cancels every stream, which aborts their requests in the engine."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def start(request: Request, gen: Generation, prompts: list[Any], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Validate every prompt now (errors before any byte is sent), then queue them all."""
+    state = state_of(request)
+    engine = state.live_engine()
+    state.check_queue(engine)
+    prepared = [engine.prepare(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}") for i, p in enumerate(prompts)]
+    gen.prompt_tokens = sum(r.num_prompt_tokens for r in prepared)
+    return merged([engine.stream(r) for r in prepared])
+
+
+async def observed(request: Request, gen: Generation,
+                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Pass outputs through while recording TTFT, inter-token gaps, usage and finish reasons; at
+    the end, metrics, the trace and the access log learn about the request."""
+    state = state_of(request)
+    state.in_flight += 1
+    last = None
+    times = None
+    try:
+        async with aclosing(outputs):  # stopping early closes the source: aborts at once
+            async for i, out in outputs:
+                now = time.monotonic()
+                if any(d.token_ids for d in out.deltas):
+                    if gen.ttft is None:
+                        gen.ttft = now - gen.started
+                    elif last is not None:
+                        state.metrics.observe_itl(now - last)
+                    last = now
+                gen.completion_tokens += sum(len(d.token_ids) for d in out.deltas)
+                for d in out.deltas:
+                    if d.finish_reason:
+                        gen.finish_reasons[i * gen.n + d.index] = d.finish_reason
+                if out.finished:
+                    gen.cached_tokens += out.usage.cached_tokens if out.usage else 0
+                    times = out.times if times is None or (out.times and out.times.total > times.total) else times
+                yield i, out
+    finally:
+        state.in_flight -= 1
+        reasons = [gen.finish_reasons[k] for k in sorted(gen.finish_reasons)]
+        if times is not None:
+            state.metrics.observe_finished(times, gen.ttft, gen.prompt_tokens, gen.completion_tokens, reasons)
+        if state.tracer_provider is not None and (span := tracing.current_span()):
+            tracing.record_request(span, gen.kind, gen.model, times, gen.ttft, gen.prompt_tokens,
+                                   gen.completion_tokens, reasons)
+        request.scope.setdefault("state", {}).update(
+            prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+            ttft_ms=None if gen.ttft is None else round(gen.ttft * 1000, 1))
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]] | None:
+    """All outputs of a non-streamed call; None if the client left first (the requests are aborted)."""
+    async def gather() -> list[tuple[int, RequestOutput]]:
+        return [item async for item in outputs]
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            await outputs.aclose()  # type: ignore[attr-defined]
+    return work.result() if work in done else None
+
+
+def token_text(engine: AsyncEngine, token_id: int) -> str:
+    tokenizer = engine.engine.tokenizer
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+
+def chat_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(engine, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    body = ChatCompletionRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
+    state.check_model(body.model)
+    messages, params = body.to_engine()
+    gen = Generation("chat", f"chatcmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
+    outputs = observed(request, gen, start(request, gen, [messages], params))
+    engine = state.live_engine()
+    want_logprobs = params.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(chat_stream(engine, gen, outputs, include_usage, want_logprobs),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    items = await collect(request, outputs)
+    if items is None:
+        return Response(status_code=499)
+    choices: dict[int, dict[str, Any]] = {}
+    for i, out in items:
+        for d in out.deltas:
+            c = choices.setdefault(d.index, {"text": "", "logprobs": [], "finish_reason": None})
+            c["text"] += d.text
+            c["logprobs"] += d.logprobs or []
+            c["finish_reason"] = d.finish_reason or c["finish_reason"]
+    return JSONResponse({
+        "id": gen.id, "object": "chat.completion", "created": gen.created, "model": gen.model,
+        "choices": [{"index": k, "message": {"role": "assistant", "content": c["text"]},
+                     "logprobs": chat_logprobs(engine, c["logprobs"]) if want_logprobs else None,
+                     "finish_reason": c["finish_reason"]} for k, c in sorted(choices.items())],
+        "usage": gen.usage(),
+    })
+
+
+async def chat_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    """OpenAI's chunk format: one id; role on each choice's first chunk; no empty chunks;
+    finish_reason only on each choice's last; usage alone in a final chunk when asked."""
+    head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model}
+    extra = {"usage": None} if include_usage else {}
+    opened: set[int] = set()
+    pending_logprobs: dict[int, list[TokenLogprobs]] = {}
+    try:
+        async with aclosing(outputs):  # stopping early closes the source: aborts at once
+            async for _, out in outputs:
+                for d in out.deltas:
+                    pending_logprobs.setdefault(d.index, []).extend(d.logprobs or [])
+                    if not d.text and not d.finish_reason:
+                        continue  # nothing to show yet (text held back): no empty chunks
+                    delta: dict[str, Any] = {}
+                    if d.index not in opened:
+                        opened.add(d.index)
+                        delta["role"] = "assistant"
+                    if d.text or "role" in delta:
+                        delta["content"] = d.text
+                    lps = pending_logprobs.pop(d.index, [])
+                    choice = {"index": d.index, "delta": delta,
+                              "logprobs": chat_logprobs(engine, lps) if want_logprobs else None,
+                              "finish_reason": d.finish_reason}
+                    yield sse(head | {"choices": [choice]} | extra)
+        if include_usage:
+            yield sse(head | {"choices": [], "usage": gen.usage()})
+    except MinillmError as e:  # the engine died mid-stream: say so in the stream, then end it
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+    yield SSE_DONE
+
+
+# ---- text completions ---------------------------------------------------------------------------
+
+
+def completion_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    tokens = [token_text(engine, lp.token_id) for lp in logprobs]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{token_text(engine, t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    body = CompletionRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
+    state.check_model(body.model)
+    prompts, params = body.to_engine()
+    gen = Generation("completion", f"cmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
+    outputs = observed(request, gen, start(request, gen, prompts, params))
+    engine = state.live_engine()
+    echo = {}
+    if body.echo:
+        tokenizer = engine.engine.tokenizer
+        echo = {i: p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer else "") for i, p in enumerate(prompts)}
+    want_logprobs = params.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(completion_stream(engine, gen, outputs, include_usage, want_logprobs, echo),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    items = await collect(request, outputs)
+    if items is None:
+        return Response(status_code=499)
+    choices: dict[int, dict[str, Any]] = {}
+    for i, out in items:
+        for d in out.deltas:
+            c = choices.setdefault(i * gen.n + d.index, {"text": echo.get(i, ""), "logprobs": [], "finish_reason": None})
+            c["text"] += d.text
+            c["logprobs"] += d.logprobs or []
+            c["finish_reason"] = d.finish_reason or c["finish_reason"]
+    return JSONResponse({
+        "id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model,
+        "choices": [{"index": k, "text": c["text"],
+                     "logprobs": completion_logprobs(engine, c["logprobs"], 0) if want_logprobs else None,
+                     "finish_reason": c["finish_reason"]} for k, c in sorted(choices.items())],
+        "usage": gen.usage(),
+    })
+
+
+async def completion_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                            include_usage: bool, want_logprobs: bool, echo: dict[int, str]) -> AsyncIterator[bytes]:
+    head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model}
+    extra = {"usage": None} if include_usage else {}
+    echoed: set[int] = set()
+    offsets: dict[int, int] = {}
+    pending_logprobs: dict[int, list[TokenLogprobs]] = {}
+
+    def chunk(index: int, text: str, d: SampleDelta | None) -> bytes:
+        lps = pending_logprobs.pop(index, [])
+        logprobs = completion_logprobs(engine, lps, offsets.get(index, 0)) if want_logprobs else None
+        offsets[index] = offsets.get(index, 0) + len(text)
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": d.finish_reason if d else None}
+        return sse(head | {"choices": [choice]} | extra)
+
+    try:
+        async with aclosing(outputs):  # stopping early closes the source: aborts at once
+            async for i, out in outputs:
+                for d in out.deltas:
+                    index = i * gen.n + d.index
+                    text = d.text
+                    if echo and index not in echoed:
+                        echoed.add(index)
+                        text = echo[i] + text
+                    pending_logprobs.setdefault(index, []).extend(d.logprobs or [])
+                    if text or d.finish_reason:
+                        yield chunk(index, text, d)
+        if include_usage:
+            yield sse(head | {"choices": [], "usage": gen.usage()})
+    except MinillmError as e:
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+    yield SSE_DONE
+
+
+# ---- models and tokenizer -----------------------------------------------------------------------
+
+
+def model_card(state: AppState) -> dict[str, Any]:
+    card = {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": "minillm"}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.engine.max_model_len
+    return card
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [model_card(state_of(request))]})
+
+
+async def get_model(request: Request) -> Response:
+    state = state_of(request)
+    state.check_model(request.path_params["model_id"])
+    return JSONResponse(model_card(state))
+
+
+async def tokenize(request: Request) -> Response:
+    state = state_of(request)
+    body = TokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
+    state.check_model(body.model)
+    tokenizer = state.live_engine().engine.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError("This model has no tokenizer.", param="model")
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
+    if body.messages is not None:
+        tokens = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+    else:
+        tokens = list(tokenizer.hf(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.engine.max_model_len})
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    body = DetokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
+    state.check_model(body.model)
+    engine = state.live_engine().engine
+    if engine.tokenizer is None:
+        raise InvalidRequestError("This model has no tokenizer.", param="model")
+    if any(not 0 <= t < engine.model_config.vocab_size for t in body.tokens):
+        raise InvalidRequestError("Token ids must be in [0, vocab size).", param="tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})

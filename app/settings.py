@@ -1,0 +1,133 @@
+"""Server settings: command-line flags, each also read from a MINILLM_* environment variable
+(the container and Helm configure the server that way)."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+
+from engine.config import EngineConfig
+
+ENV_PREFIX = "MINILLM_"
+
+_ENGINE_HELP = {
+    "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU)",
+    "device": "auto, cpu or cuda[:N]",
+    "weights_seed": "seed of the weights of random:<shape> models",
+    "block_size": "tokens per KV-cache block",
+    "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1GiB on CPU, 80%% of free memory on GPU)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens computed in one step (long prompts are prefilled in chunks)",
+    "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
+}
+
+
+@dataclass
+class ServerSettings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None  # the name clients send; default: the model's directory name
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None  # comma-separated keys; none means no auth
+    max_queue: int = 256  # waiting requests beyond this get 429
+    max_body_bytes: int = 10 * 2**20
+    shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    log_level: str = "info"
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model
+        return "SmolLM2-135M-Instruct" if model == "default" else model.rstrip("/").rsplit("/", 1)[-1]
+
+
+_HELP = {
+    "served_model_name": "the model name clients use (default: the model directory's name)",
+    "host": "address to listen on",
+    "port": "port to listen on",
+    "api_key": "API key(s), comma-separated; when set, /v1/* and the tokenizer routes need 'Authorization: Bearer <key>'",
+    "max_queue": "most requests waiting for the engine; more get 429 with Retry-After",
+    "max_body_bytes": "largest request body accepted (413 above)",
+    "shutdown_grace": "seconds that in-flight requests get to finish after SIGTERM",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+def _kind(annotation: str):
+    if "str" in annotation:  # e.g. kv_cache_memory: "2GiB" or a number of bytes
+        return str
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    if annotation.startswith("bool"):
+        return _parse_bool
+    return str
+
+
+def _env_default(name: str, default, kind):
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    return default if raw is None else kind(raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser, server: bool = True) -> None:
+    """Flags for the engine (and the server); each defaults to its MINILLM_* variable if set."""
+    for f in fields(EngineConfig):
+        if f.name in _ENGINE_HELP:
+            kind = _kind(str(f.type))
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
+                                default=_env_default(f.name, f.default, kind),
+                                help=f"{_ENGINE_HELP[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
+    if not server:
+        return
+    for f in fields(ServerSettings):
+        if f.name in _HELP:
+            kind = _kind(str(f.type))
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
+                                default=_env_default(f.name, f.default, kind),
+                                help=f"{_HELP[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)})
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    values = {f.name: getattr(args, f.name) for f in fields(ServerSettings) if f.name != "engine" and hasattr(args, f.name)}
+    return ServerSettings(engine=engine_config(args), **values)
+
+
+def to_env(settings: ServerSettings) -> dict[str, str]:
+    """The settings as MINILLM_* variables: how the CLI hands them to Granian's worker process."""
+    env = {}
+    for f in fields(EngineConfig):
+        value = getattr(settings.engine, f.name)
+        if value is not None:
+            env[ENV_PREFIX + f.name.upper()] = str(value)
+    for f in fields(ServerSettings):
+        value = getattr(settings, f.name)
+        if f.name != "engine" and value is not None:
+            env[ENV_PREFIX + f.name.upper()] = str(value)
+    return env
+
+
+def from_env() -> ServerSettings:
+    """The settings from MINILLM_* variables alone (in the worker process)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return server_settings(parser.parse_args([]))
