@@ -23,7 +23,7 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 serve: install
-	$(BIN)/minillm chat --model $(MODEL) $(ARGS)
+	$(BIN)/minillm serve --model $(MODEL) $(ARGS)
 
 bench: install
 	$(BIN)/python bench/cpu.py

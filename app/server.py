@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -66,14 +67,30 @@ async def load_engine(state: AppState) -> None:
         log.exception("loading the model failed")
 
 
-async def drain(state: AppState) -> None:
-    """Stop taking work (/ready turns 503) and let in-flight requests finish within the grace period."""
-    state.draining = True
-    deadline = asyncio.get_running_loop().time() + state.settings.shutdown_grace
-    while state.in_flight and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    if state.in_flight:
-        log.warning("grace period over: %d requests still in flight", state.in_flight)
+def watch_shutdown_signals(state: AppState) -> None:
+    """On SIGTERM/SIGINT Granian stops accepting connections and waits for in-flight requests before
+    the lifespan ends. We only observe the signal (chaining Granian's handler): /ready turns 503 at
+    once, and requests still running when the grace period ends are aborted, so the drain is bounded."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int, frame: object, previous: object) -> None:
+        if not state.draining:
+            state.draining = True
+            log.info("signal %d: draining %d in-flight requests (grace %.0f s)", signum, state.in_flight,
+                     state.settings.shutdown_grace)
+            loop.call_soon_threadsafe(loop.call_later, state.settings.shutdown_grace, abort_in_flight, state)
+        if callable(previous):
+            previous(signum, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        signal.signal(sig, lambda signum, frame, previous=previous: on_signal(signum, frame, previous))
+
+
+def abort_in_flight(state: AppState) -> None:
+    if state.engine is not None and state.in_flight:
+        log.warning("grace period over: aborting %d requests still in flight", state.in_flight)
+        state.engine.abort_all()
 
 
 def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> Any:
@@ -86,8 +103,9 @@ def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> 
     @asynccontextmanager
     async def lifespan(app: Starlette):
         loading = asyncio.create_task(load_engine(state))
+        watch_shutdown_signals(state)
         yield
-        await drain(state)
+        state.draining = True  # Granian has already let in-flight requests finish
         loading.cancel()
         if state.engine is not None:
             state.engine.shutdown()
@@ -136,4 +154,7 @@ def serve(settings: ServerSettings) -> None:
         log_enabled=True,
         log_level=settings.log_level,  # type: ignore[arg-type]
         log_access=False,  # our own structured access line replaces Granian's
+        # Granian waits for in-flight requests on SIGTERM; the app aborts them after the grace
+        # period, and this is the hard stop should anything still hang.
+        workers_kill_timeout=int(settings.shutdown_grace) + 10,
     ).serve()

@@ -98,6 +98,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request a caller is still waiting on (end of a shutdown's grace period)."""
+        for request_id in list(self._channels):
+            self.abort(request_id)
+
     # ---- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
