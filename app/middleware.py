@@ -66,8 +66,9 @@ class ServerMiddleware:
                 return
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                # The body is never read, so the connection cannot be reused: tell the client.
                 await _send_error(send_with_id, 413, f"Request body larger than {self.max_body_bytes} bytes.",
-                                  "invalid_request_error", "body_too_large")
+                                  "invalid_request_error", "body_too_large", [(b"connection", b"close")])
                 return
             await self.app(scope, receive, send_with_id)
         finally:

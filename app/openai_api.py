@@ -30,7 +30,10 @@ async def read_json(request: Request, limit: int) -> Any:
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", code="body_too_large")
+            # The rest of the body stays unread, so the server will drop the connection: say so, or a
+            # keep-alive client sends its next request into a closing socket.
+            raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", code="body_too_large",
+                           headers={"Connection": "close"})
     try:
         data = loads(bytes(body))
     except ValueError:
