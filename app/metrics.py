@@ -78,18 +78,20 @@ class Metrics:
         self.http = Counter("minillm_http_requests", "HTTP responses by status code.",
                             ["model", "status"], registry=self.registry)
 
-    def observe_finished(self, times: RequestTimes, ttft: float | None, prompt_tokens: int, output_tokens: int,
-                         finish_reasons: list[str]) -> None:
+    def observe_finished(self, times: RequestTimes | None, latency: float, ttft: float | None, prompt_tokens: int,
+                         output_tokens: int, finish_reasons: list[str]) -> None:
+        """A request is over. times is None when it was aborted before the engine finished it."""
         m = self.model
-        self.latency.labels(m).observe(times.total)
-        self.queue.labels(m).observe(times.queue)
-        self.prefill.labels(m).observe(times.prefill)
-        self.decode.labels(m).observe(times.decode)
+        self.latency.labels(m).observe(latency)
+        if times is not None:
+            self.queue.labels(m).observe(times.queue)
+            self.prefill.labels(m).observe(times.prefill)
+            self.decode.labels(m).observe(times.decode)
         if ttft is not None:
             self.ttft.labels(m).observe(ttft)
         self.prompt_len.labels(m).observe(prompt_tokens)
         self.output_len.labels(m).observe(output_tokens)
-        if times.decode > 0 and output_tokens > 1:
+        if times is not None and times.decode > 0 and output_tokens > 1:
             self.tok_s.labels(m).observe((output_tokens - 1) / times.decode)
         for reason in finish_reasons:
             self.finished.labels(m, reason).inc()

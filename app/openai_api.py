@@ -58,6 +58,7 @@ class Generation:
     id: str
     model: str
     n: int
+    num_choices: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     ttft: float | None = None
@@ -115,6 +116,7 @@ def start(request: Request, gen: Generation, prompts: list[Any], params: Samplin
     state.check_queue(engine)
     prepared = [engine.prepare(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}") for i, p in enumerate(prompts)]
     gen.prompt_tokens = sum(r.num_prompt_tokens for r in prepared)
+    gen.num_choices = len(prepared) * gen.n
     return merged([engine.stream(r) for r in prepared])
 
 
@@ -146,9 +148,10 @@ async def observed(request: Request, gen: Generation,
                 yield i, out
     finally:
         state.in_flight -= 1
-        reasons = [gen.finish_reasons[k] for k in sorted(gen.finish_reasons)]
-        if times is not None:
-            state.metrics.observe_finished(times, gen.ttft, gen.prompt_tokens, gen.completion_tokens, reasons)
+        # Choices that never finished were aborted (client gone, or the shutdown grace ran out).
+        reasons = [gen.finish_reasons.get(k, "abort") for k in range(gen.num_choices)]
+        state.metrics.observe_finished(times, time.monotonic() - gen.started, gen.ttft, gen.prompt_tokens,
+                                       gen.completion_tokens, reasons)
         if state.tracer_provider is not None and (span := tracing.current_span()):
             tracing.record_request(span, gen.kind, gen.model, times, gen.ttft, gen.prompt_tokens,
                                    gen.completion_tokens, reasons)

@@ -15,6 +15,9 @@ _ERROR = {"description": "An OpenAI-shaped error", "content": {"application/json
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
 _JSON_OK = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
 _ERRORS = {str(code): _ERROR for code in (400, 401, 404, 413, 429, 503)}
+# Before OpenAPI 3.2 (itemSchema), an event stream's schema describes one event, not the whole stream.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "A JSON chunk, or [DONE] after the last one"}}}
 
 
 def _post(summary: str, model: str, streams: bool = False) -> dict[str, Any]:
@@ -22,7 +25,7 @@ def _post(summary: str, model: str, streams: bool = False) -> dict[str, Any]:
     if streams:
         ok = {"description": "JSON, or server-sent events when stream is true",
               "content": {"application/json": {"schema": {"type": "object"}},
-                          "text/event-stream": {"schema": {"type": "string"}}}}
+                          "text/event-stream": {"schema": _SSE_EVENT}}}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model}"}}}}, "responses": {"200": ok, **_ERRORS}}}
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -72,6 +73,8 @@ def watch_shutdown_signals(state: AppState) -> None:
     the lifespan ends. We only observe the signal (chaining Granian's handler): /ready turns 503 at
     once, and requests still running when the grace period ends are aborted, so the drain is bounded."""
     loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        return  # signals reach only the main thread (an in-process test client runs us elsewhere)
 
     def on_signal(signum: int, frame: object, previous: object) -> None:
         if not state.draining:

@@ -114,12 +114,16 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("The prompt is empty after tokenization.", param="prompt")
         room = self.max_model_len - len(token_ids)
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+        param = "messages" if isinstance(prompt[0], dict) else "prompt"  # name the field the client sent
+        if room < 1:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
+                f"{len(token_ids)}, leaving no room for a completion. Please shorten the prompt.", param=param)
+        if params.max_tokens is not None and params.max_tokens > room:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + (params.max_tokens or 1)} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens or 1} for the completion). Please reduce the prompt or max_tokens."
-            )
+                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.", param=param)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # each sample is a sequence made at once: an unbounded n is an out-of-memory kill
 
 
 @dataclass
@@ -36,8 +37,8 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.n < 1:
-            raise bad("n", f"n must be at least 1, got {self.n}.")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"n must be in [1, {MAX_N}], got {self.n}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not 0.0 <= self.temperature <= 2.0:
