@@ -125,6 +125,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
+MAX_PROMPTS = 256  # each prompt is a request (times n): bound what one call can queue
 
 
 class CompletionRequest(_Sampling):
@@ -156,6 +157,8 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError("suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of other than n is not supported.", param="best_of")
+        if isinstance(self.prompt, list) and len(self.prompts()) > MAX_PROMPTS:
+            raise InvalidRequestError(f"At most {MAX_PROMPTS} prompts in one request.", param="prompt")
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo together with logprobs is not supported yet.", param="echo")
         return self.prompts(), self.sampling_params(self.max_tokens, self.logprobs)

@@ -131,7 +131,7 @@ def test_bad_input_raises_typed_errors_and_engine_keeps_serving(default_model_di
         engine.add_request(CHATS[0], SamplingParams(max_tokens=250))
     for bad, param in [(dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                        (dict(temperature=-1), "temperature"), (dict(logprobs=21), "top_logprobs"),
-                       (dict(logit_bias={10**9: 1.0}), "logit_bias"), (dict(n=0), "n")]:
+                       (dict(logit_bias={10**9: 1.0}), "logit_bias"), (dict(n=0), "n"), (dict(n=129), "n")]:
         with pytest.raises(InvalidRequestError) as e:
             engine.add_request(CHATS[0], SamplingParams(**bad))
         assert e.value.param == param
