@@ -186,6 +186,26 @@ async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOut
     return work.result() if work in done else None
 
 
+@dataclass
+class Choice:
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def join_choices(items: list[tuple[int, RequestOutput]], n: int, prefix: dict[int, str]) -> list[tuple[int, Choice]]:
+    """A non-streamed call's choices, by index (prompt i's sample j is choice i * n + j); prefix
+    holds the echoed prompt text of each prompt, if any."""
+    choices: dict[int, Choice] = {}
+    for i, out in items:
+        for d in out.deltas:
+            c = choices.setdefault(i * n + d.index, Choice(prefix.get(i, "")))
+            c.text += d.text
+            c.logprobs += d.logprobs or []
+            c.finish_reason = d.finish_reason or c.finish_reason
+    return sorted(choices.items())
+
+
 def token_text(engine: AsyncEngine, token_id: int) -> str:
     tokenizer = engine.engine.tokenizer
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
@@ -209,8 +229,8 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     messages, params = body.to_engine()
     gen = Generation("chat", f"chatcmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
-    outputs = observed(request, gen, start(request, gen, [messages], params))
     engine = state.live_engine()
+    outputs = observed(request, gen, start(request, gen, [messages], params))
     want_logprobs = params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -219,18 +239,11 @@ async def chat_completions(request: Request) -> Response:
     items = await collect(request, outputs)
     if items is None:
         return Response(status_code=499)
-    choices: dict[int, dict[str, Any]] = {}
-    for i, out in items:
-        for d in out.deltas:
-            c = choices.setdefault(d.index, {"text": "", "logprobs": [], "finish_reason": None})
-            c["text"] += d.text
-            c["logprobs"] += d.logprobs or []
-            c["finish_reason"] = d.finish_reason or c["finish_reason"]
     return JSONResponse({
         "id": gen.id, "object": "chat.completion", "created": gen.created, "model": gen.model,
-        "choices": [{"index": k, "message": {"role": "assistant", "content": c["text"]},
-                     "logprobs": chat_logprobs(engine, c["logprobs"]) if want_logprobs else None,
-                     "finish_reason": c["finish_reason"]} for k, c in sorted(choices.items())],
+        "choices": [{"index": k, "message": {"role": "assistant", "content": c.text},
+                     "logprobs": chat_logprobs(engine, c.logprobs) if want_logprobs else None,
+                     "finish_reason": c.finish_reason} for k, c in join_choices(items, gen.n, {})],
         "usage": gen.usage(),
     })
 
@@ -288,8 +301,8 @@ async def completions(request: Request) -> Response:
     state.check_model(body.model)
     prompts, params = body.to_engine()
     gen = Generation("completion", f"cmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
-    outputs = observed(request, gen, start(request, gen, prompts, params))
     engine = state.live_engine()
+    outputs = observed(request, gen, start(request, gen, prompts, params))
     echo = {}
     if body.echo:
         tokenizer = engine.engine.tokenizer
@@ -302,18 +315,11 @@ async def completions(request: Request) -> Response:
     items = await collect(request, outputs)
     if items is None:
         return Response(status_code=499)
-    choices: dict[int, dict[str, Any]] = {}
-    for i, out in items:
-        for d in out.deltas:
-            c = choices.setdefault(i * gen.n + d.index, {"text": echo.get(i, ""), "logprobs": [], "finish_reason": None})
-            c["text"] += d.text
-            c["logprobs"] += d.logprobs or []
-            c["finish_reason"] = d.finish_reason or c["finish_reason"]
     return JSONResponse({
         "id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model,
-        "choices": [{"index": k, "text": c["text"],
-                     "logprobs": completion_logprobs(engine, c["logprobs"], 0) if want_logprobs else None,
-                     "finish_reason": c["finish_reason"]} for k, c in sorted(choices.items())],
+        "choices": [{"index": k, "text": c.text,
+                     "logprobs": completion_logprobs(engine, c.logprobs, 0) if want_logprobs else None,
+                     "finish_reason": c.finish_reason} for k, c in join_choices(items, gen.n, echo)],
         "usage": gen.usage(),
     })
 
