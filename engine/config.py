@@ -37,6 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's, capped by what the KV budget holds
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True  # capture decode steps on CUDA (off: every step eager, for debugging)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

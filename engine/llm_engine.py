@@ -70,7 +70,8 @@ class LLMEngine:
         self.kv_bytes_per_block = bytes_per_block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
+                                  config.cuda_graphs)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

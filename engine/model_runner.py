@@ -1,5 +1,12 @@
-"""Runs one scheduled step on the device: batch inputs, the forward over the paged KV cache, sampling."""
+"""Runs one scheduled step on the device: batch inputs, the forward over the paged KV cache, sampling.
+
+On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
+8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. Steps with
+prefill chunks run eagerly.
+"""
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -7,21 +14,85 @@ from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
+from kernels.decode_attention import num_splits_for
+
+log = logging.getLogger("minillm.engine")
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+class _DecodeGraph:
+    """Static input buffers and one captured forward + logits for decode batches of `batch` rows."""
+
+    def __init__(self, runner: "ModelRunner", batch: int, pool: object) -> None:
+        dev, max_blocks = runner.device, runner.max_blocks_per_seq
+        self.batch = batch
+        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.slots = torch.full((batch,), runner.scratch_slot, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
+        self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
+        self.meta = AttentionMetadata(
+            slot_mapping=self.slots, query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            seq_lens=self.seq_lens, block_tables=self.tables, query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch,
+            num_splits=num_splits_for(batch, runner.model.cfg.num_kv_heads),
+        )
+        model, kv = runner.model, runner.kv_cache
+        for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
+            model.compute_logits(model(self.input_ids, self.positions, kv, self.meta))
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta))
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+            tables: list[list[int]], scratch_slot: int, scratch_block: int) -> torch.Tensor:
+        """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
+        n, pad = len(input_ids), self.batch - len(input_ids)
+        width = max(len(t) for t in tables)
+        # Padding rows write only to the scratch slot and read one cached token (whatever their
+        # stale table row points to); their logits are dropped.
+        self.input_ids.copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions.copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        self.slots.copy_(torch.tensor(slots + [scratch_slot] * pad), non_blocking=True)
+        self.seq_lens.copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        # Only the blocks each sequence has are read, so only that corner of the table is refreshed.
+        rows = [t + [scratch_block] * (width - len(t)) for t in tables]
+        self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        self.graph.replay()
+        return self.logits[:n]
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int = 256, use_cuda_graphs: bool = True) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         dtype = model.embed_tokens.weight.dtype
         # One pool per layer, K and V side by side: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        # One block more than the block manager knows: a scratch block for graph padding rows.
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=self.device
+            cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+            device=self.device,
         )
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
         model.init_rope(max_model_len)
         self.sampler = Sampler()
+        self.graphs: dict[int, _DecodeGraph] = {}
+        if use_cuda_graphs and self.device.type == "cuda":
+            self._capture(max_num_seqs)
+
+    @torch.inference_mode()
+    def _capture(self, max_num_seqs: int) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
+        for batch in reversed(sizes):  # largest first, so smaller graphs reuse its memory
+            self.graphs[batch] = _DecodeGraph(self, batch, pool)
+        log.info("captured decode CUDA graphs for batch sizes %s", sizes)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -47,23 +118,36 @@ class ModelRunner:
             query_start.append(len(input_ids))
             last_row[seq.seq_id] = len(input_ids) - 1
         seq_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in computing]
-        width = max(len(s.seq.block_table) for s in computing)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in computing]
+        tables = [s.seq.block_table for s in computing]
+        sampling = [s for s in out.scheduled if s.samples]
+        graph = self._graph_for(computing, sampling)
+        if graph is not None:
+            logits = graph.run(input_ids, positions, slots, seq_lens, tables, self.scratch_slot, self.scratch_block)
+            return self.sampler(logits, [self._sample_row(s) for s in sampling])
+        width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             query_start_loc=self._tensor(query_start, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32).view(len(computing), width),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(len(computing), width),
             query_lens_cpu=[s.num_new_tokens for s in computing],
             seq_lens_cpu=seq_lens,
+            num_splits=num_splits_for(len(computing), self.model.cfg.num_kv_heads),
         )
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_cache, meta)
-        sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return None
         rows = [last_row[(s.sample_from or s.seq).seq_id] for s in sampling]
         logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
         return self.sampler(logits, [self._sample_row(s) for s in sampling])
+
+    def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence]) -> _DecodeGraph | None:
+        """A captured graph fits a step whose every sequence decodes one token and samples it."""
+        if not self.graphs or len(computing) != len(sampling) or any(s.num_new_tokens != 1 or s.sample_from
+                                                                     for s in computing):
+            return None
+        batch = next((b for b in sorted(self.graphs) if b >= len(computing)), None)
+        return self.graphs.get(batch) if batch is not None else None
 
     @staticmethod
     def _sample_row(s: ScheduledSequence) -> SampleRow:

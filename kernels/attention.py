@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import decode_attention_triton
+from kernels.dispatch import use_triton
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +25,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    num_splits: int = 1  # decode attention's splits of each sequence's blocks (fixed per graph)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
 
 
 
@@ -73,5 +81,8 @@ def paged_attention_ref(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Paged attention; dispatches to the best implementation for the device."""
+    """Paged attention: decode batches through the Triton flash-decoding kernel (no host syncs, so
+    graph-safe); batches with prefill chunks through the reference (SDPA per sequence) for now."""
+    if use_triton(q) and meta.decode_only:
+        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -5,6 +5,10 @@ import math
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -65,6 +69,89 @@ def rope_store_kv_ref(
     return q
 
 
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_stride_h, out_ptr, out_stride_h, num_heads, half, cos, sin,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One token's heads, as two [heads, half] tiles; cos/sin are [1, half] float32.
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    x = x_ptr + heads * x_stride_h + dims
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32)
+    # Round to the input dtype, as the reference does; the store casts to the destination's (the cache's).
+    out = out_ptr + heads * out_stride_h + dims
+    tl.store(out, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + half, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, q_out_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, q_out_stride_t, q_out_stride_h,
+    cache_stride_slot, cache_stride_h, cos_sin_stride, num_heads, num_kv_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: every q and k head rotated, k and v written at the token's slot.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    table = cos_sin_ptr + pos * cos_sin_stride + dims
+    # cos/sin rounded to the input dtype, as the reference multiplies them in it.
+    in_dtype = q_ptr.dtype.element_ty
+    cos = tl.load(table, mask=dims < half, other=0.0).to(in_dtype).to(tl.float32)
+    sin = tl.load(table + half, mask=dims < half, other=0.0).to(in_dtype).to(tl.float32)
+    _rotate_heads(q_ptr + token * q_stride_t, q_stride_h, q_out_ptr + token * q_out_stride_t, q_out_stride_h,
+                  num_heads, half, cos, sin, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, k_cache_ptr + slot * cache_stride_slot, cache_stride_h,
+                  num_kv_heads, half, cos, sin, BLOCK_KV, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_KV)[:, None]
+    mask = (heads < num_kv_heads) & (dims < half)
+    v = v_ptr + token * v_stride_t + heads * v_stride_h + dims
+    cache = v_cache_ptr + slot * cache_stride_slot + heads * cache_stride_h + dims
+    out_dtype = v_cache_ptr.dtype.element_ty
+    tl.store(cache, tl.load(v, mask=mask).to(out_dtype), mask=mask)
+    tl.store(cache + half, tl.load(v + half, mask=mask).to(out_dtype), mask=mask)
+
+
+def rope_store_kv_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Triton version of `rope_store_kv_ref`, same contract; one program per token.
+
+    q, k and v are taken by strides: in the model they are views into the merged QKV projection's
+    output, and copying them out would cost three extra kernels. Only their last dim must be
+    unit-stride. Shapes alone decide the launch and the output size, so it is CUDA-graph safe.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # The reference's flat [slots, KV, D] view; a view, so the kernel writes the caches themselves.
+    k_flat, v_flat = k_cache.view(-1, num_kv, head_dim), v_cache.view(-1, num_kv, head_dim)
+    assert k_flat.stride() == v_flat.stride() and k_flat.stride(-1) == 1
+    cos_sin = cos_sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    half = head_dim // 2
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin, k_flat, v_flat, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
+        k_flat.stride(0), k_flat.stride(1), cos_sin.stride(0), num_heads, num_kv, half,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return q_out
+
+
 def rope_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,5 +162,7 @@ def rope_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """RoPE + KV-cache write; dispatches to the best implementation for the device."""
+    """RoPE + KV-cache write; Triton where `use_triton` says so, else the torch reference."""
+    if use_triton(q):
+        return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

@@ -5,6 +5,19 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    # Without a GPU the Triton kernels can still run, on CPU tensors, through Triton's interpreter;
+    # but triton picks interpreter or compiler as each jit function is defined (its own tl.sum
+    # included), so it must be imported in interpreter mode, before anything else imports it. The
+    # variable is cleared again so that use_triton() keeps CPU tensors on the torch references,
+    # except in tests that set it back (the triton_interpreter fixture in tests/kernels/).
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    triton.knobs.runtime.interpret = True  # stays on for the kernels in kernels/, defined later
+    del os.environ["TRITON_INTERPRET"]  # after the knob, which sets it too
 
 from engine.model_store import DEFAULT_DIR_NAME, ensure_default_model
 

@@ -1,0 +1,109 @@
+"""Decode attention over the paged KV cache in Triton (flash-decoding).
+
+One program per (sequence, KV head, split): it reads each of its KV blocks once for all the query
+heads of the group (GQA), keeps an online softmax, and writes a partial result with its
+log-sum-exp; a second kernel merges the splits. Long contexts are spread over splits so that a
+small batch still fills the GPU. Only device tensors are read (no host syncs), so it can be
+captured in a CUDA graph for a fixed batch size and number of splits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    scale,
+    stride_q_t, stride_q_h,
+    stride_c_blk, stride_c_pos, stride_c_kv,
+    stride_tab,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    pos = tl.arange(0, BLOCK_SIZE)
+    # Splits take blocks round-robin, so even a short context is spread over all of them.
+    for b in range(split, tl.cdiv(seq_len, BLOCK_SIZE), NUM_SPLITS):
+        block = tl.load(tables_ptr + seq * stride_tab + b).to(tl.int64)
+        base = block * stride_c_blk + kv_head * stride_c_kv
+        offs = base + pos[:, None] * stride_c_pos + dims[None, :]
+        k = tl.load(k_ptr + offs).to(tl.float32)  # [BS, D]
+        v = tl.load(v_ptr + offs).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
+        s = tl.where((b * BLOCK_SIZE + pos)[None, :] < seq_len, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
+    lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, num_heads,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    row = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    weight = weight / tl.sum(weight, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits_for(batch: int, num_kv_heads: int, sm_count: int = 132) -> int:
+    """Enough splits that batch × kv heads × splits programs cover the GPU about twice. It depends
+    on the batch shape only, so a CUDA graph captured for a batch size keeps it."""
+    return max(1, min(32, -(-2 * sm_count // (batch * num_kv_heads))))
+
+
+def decode_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int,
+) -> torch.Tensor:
+    """q: [B, H, D] (one query per sequence); caches: [num_blocks, block_size, KV, D]; → [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv, _ = k_cache.shape
+    group = num_heads // num_kv
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
+    )
+    return out

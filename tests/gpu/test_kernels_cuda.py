@@ -1,0 +1,127 @@
+"""The Triton RMSNorm, SiLU·mul and RoPE + KV-write kernels against their torch references on a CUDA
+GPU, at a Llama-3.2-1B layer's sizes (run through the device tool; skipped without a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.activation import silu_mul_ref, silu_mul_triton
+from kernels.dispatch import use_triton
+from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
+from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv_ref, rope_store_kv_triton
+from tests.kernels.conftest import nan_poisoned_allocations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOKENS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 512, 2048, 8192, 32, 8, 64
+NUM_BLOCKS, BLOCK_SIZE, MAX_POSITIONS = 64, 16, 8192
+DTYPES = [torch.bfloat16, torch.float16]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float32; NaN (so any comparison fails) if out has an unwritten NaN."""
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def qkv_views(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model passes them: strided views into one merged QKV projection output."""
+    sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    q, k, v = torch.randn(TOKENS, sum(sizes), device="cuda", dtype=dtype).split(sizes, dim=-1)
+    return q.view(TOKENS, HEADS, HEAD_DIM), k.view(TOKENS, KV_HEADS, HEAD_DIM), v.view(TOKENS, KV_HEADS, HEAD_DIM)
+
+
+def nan_caches(dtype: torch.dtype) -> list[torch.Tensor]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+
+
+def test_cuda_tensors_take_the_triton_path() -> None:
+    assert use_triton(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x) if with_residual else None
+    weight = (torch.rand(HIDDEN, device="cuda") + 0.5).to(dtype)
+    with nan_poisoned_allocations():
+        out, new_residual = rms_norm_triton(x, weight, 1e-5, residual)
+    ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
+    assert rel_err(out, ref_out) < 1e-2
+    assert rel_err(new_residual, ref_residual) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_widest_row(dtype: torch.dtype) -> None:
+    x, weight = torch.randn(64, 8192, device="cuda", dtype=dtype), torch.ones(8192, device="cuda", dtype=dtype)
+    with nan_poisoned_allocations():
+        out, _ = rms_norm_triton(x, weight, 1e-5)
+    assert rel_err(out, rms_norm_ref(x, weight, 1e-5)[0]) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    x = torch.randn(TOKENS, 2 * INTERMEDIATE, device="cuda", dtype=dtype)
+    with nan_poisoned_allocations():
+        out = silu_mul_triton(x)
+    assert rel_err(out, silu_mul_ref(x)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv(dtype: torch.dtype) -> None:
+    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
+    q, k, v = qkv_views(dtype)
+    positions = torch.randint(0, MAX_POSITIONS, (TOKENS,), device="cuda")
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda")[:TOKENS]
+    (k_cache, v_cache), (k_ref, v_ref) = nan_caches(dtype), nan_caches(dtype)
+    with nan_poisoned_allocations():
+        q_out = rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    q_ref = rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots)
+    flat = (-1, KV_HEADS, HEAD_DIM)
+    assert rel_err(q_out, q_ref) < 1e-2
+    assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
+    assert torch.equal(v_cache.view(flat)[slots], v)
+    unwritten = torch.ones(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool, device="cuda")
+    unwritten[slots] = False
+    assert torch.isnan(k_cache.view(flat)[unwritten]).all() and torch.isnan(v_cache.view(flat)[unwritten]).all()
+
+
+@torch.inference_mode()
+def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
+    """Captured once, replayed after the static inputs change: no host syncs or data-dependent shapes."""
+    dtype = torch.bfloat16
+    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
+    q, k, v = qkv_views(dtype)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = (torch.rand(HIDDEN, device="cuda") + 0.5).to(dtype)
+    gate_up = torch.randn(TOKENS, 2 * INTERMEDIATE, device="cuda", dtype=dtype)
+    positions = torch.zeros(TOKENS, dtype=torch.int64, device="cuda")
+    slots = torch.arange(TOKENS, device="cuda")
+    k_cache, v_cache = nan_caches(dtype)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q_out = rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+        return (q_out, *rms_norm_triton(x, weight, 1e-5, residual), silu_mul_triton(gate_up))
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for t in (q, k, v, x, residual, gate_up):
+        t.copy_(torch.randn_like(t))
+    positions.copy_(torch.randint(0, MAX_POSITIONS, (TOKENS,), device="cuda"))
+    slots.copy_(torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda")[:TOKENS])
+    graph.replay()
+    k_ref, v_ref = nan_caches(dtype)
+    expected = (rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots),
+                *rms_norm_ref(x, weight, 1e-5, residual), silu_mul_ref(gate_up))
+    for out, ref in zip(outputs, expected):
+        assert rel_err(out, ref) < 1e-2
+    flat = (-1, KV_HEADS, HEAD_DIM)
+    assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
+    assert torch.equal(v_cache.view(flat)[slots], v_ref.view(flat)[slots])
