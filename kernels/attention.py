@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.decode_attention import decode_attention_triton
 from kernels.dispatch import use_triton
@@ -70,10 +71,13 @@ def paged_attention_ref(
         k = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)  # [KV, L, D]
         v = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         qb = q[starts[b] : starts[b] + q_len].transpose(0, 1)  # [H, q_len, D]
-        # Query i sits at position seq_len - q_len + i and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        group = qb.shape[0] // k.shape[0]
+        if group > 1:  # flash attention's lower-right causal path takes equal head counts
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        # Query i sits at position seq_len - q_len + i and sees keys up to and including itself: a
+        # causal mask aligned to the lower right, which SDPA runs as flash attention on CUDA.
+        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=causal_lower_right(q_len, seq_len),
+                                           scale=scale)[0]
         out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
     return out
 
