@@ -32,7 +32,8 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available
     weights_seed: int = 0  # seed of the weights of random:<shape> models
     block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, 80% of free on GPU
+    kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, profiled on GPU
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights, activations and KV
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's, capped by what the KV budget holds

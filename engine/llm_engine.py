@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("minillm.engine")
 
@@ -83,8 +84,39 @@ class LLMEngine:
         if self.config.kv_cache_memory is not None:
             return parse_bytes(self.config.kv_cache_memory)
         if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0] * 0.8)
+            return self._profiled_kv_budget(device)
         return 1 << 30
+
+    @torch.inference_mode()
+    def _profiled_kv_budget(self, device: torch.device) -> int:
+        """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
+        of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
+        cfg, bs = self.model_config, self.config.block_size
+        tokens = self.config.max_num_batched_tokens
+        blocks = -(-tokens // bs)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=self.model.embed_tokens.weight.dtype, device=device)
+        self.model.init_rope(tokens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, device=device), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None], query_lens_cpu=[tokens],
+            seq_lens_cpu=[tokens])
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=device),
+                            torch.arange(tokens, device=device), kv, meta)
+        rows = min(self.config.max_num_seqs, tokens)
+        self.model.compute_logits(hidden[-rows:])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
+        del kv, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info(device)[1]
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        log.info("GPU memory: %.1f GiB total, %.1f GiB for weights and a largest step, %.1f GiB for KV (utilization %.2f)",
+                 total / 2**30, peak / 2**30, budget / 2**30, self.config.gpu_memory_utilization)
+        return budget
 
     def warm_up(self) -> None:
         """Run one tiny request through every stage (first-call costs land here, not on a client),

@@ -66,3 +66,15 @@ def test_cuda_graph_decode_matches_eager_steps() -> None:
     eager = LLMEngine(EngineConfig(**config, cuda_graphs=False))
     assert not eager.runner.graphs
     assert [r.token_ids for r in graphed.generate(prompts, params)] == [r.token_ids for r in eager.generate(prompts, params)]
+
+
+def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
+    free_before, total = torch.cuda.mem_get_info()
+    engine = LLMEngine(EngineConfig(model="random:qwen2.5-0.5b", device="cuda", gpu_memory_utilization=0.5,
+                                    max_num_seqs=16))
+    kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert weights + kv_bytes < 0.5 * total  # the activations' peak comes off the KV share too
+    assert kv_bytes > 0.5 * total - weights - 4 * 2**30  # and not much more than that
+    [r] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(r.token_ids) == 4
