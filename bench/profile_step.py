@@ -1,0 +1,67 @@
+"""Where a decode step's time goes on the GPU: the whole engine step against the CUDA-graph replay
+alone, and the replay's kernels by total time (torch.profiler). Not a benchmark of record.
+
+    python3 bench/profile_step.py --model random:llama-3.2-1b --batches 1 8 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:llama-3.2-1b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches)))
+    engine.warm_up()
+    for batch in args.batches:
+        params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
+        while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
+            engine.step()  # prefill
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / args.steps * 1000
+        graph = engine.runner.graphs[next(b for b in sorted(engine.runner.graphs) if b >= batch)]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(args.steps):
+            graph.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay_ms = begin.elapsed_time(end) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.graph.replay()
+            torch.cuda.synchronize()
+        print(f"\nbatch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
+              f"host and sampling {step_ms - replay_ms:.3f} ms ({(step_ms - replay_ms) / step_ms:.0%})")
+        averages = prof.key_averages()
+        try:
+            print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))
+        except (AttributeError, KeyError):  # older torch names it cuda_time_total
+            print(averages.table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+
+
+if __name__ == "__main__":
+    main()
