@@ -1,8 +1,8 @@
 """Decode attention over the paged KV cache in Triton (flash-decoding).
 
-One program per (sequence, KV head, split): it reads each of its KV blocks once for all the query
-heads of the group (GQA), keeps an online softmax, and writes a partial result with its
-log-sum-exp; a second kernel merges the splits. Long contexts are spread over splits so that a
+One program per (sequence, KV head, split): it reads its KV tiles (64 tokens over several blocks)
+once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
+and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts are spread over splits so that a
 small batch still fills the GPU. Only device tensors are read (no host syncs), so it can be
 captured in a CUDA graph for a fixed batch size and number of splits.
 """
@@ -21,35 +21,45 @@ def _decode_split_kernel(
     stride_c_blk, stride_c_pos, stride_c_kv,
     stride_tab,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    head_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
-                mask=head_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
+    # The group's query heads as one [GROUP_PAD, D] tile (padded to 16 rows for tensor-core dots).
+    q = tl.load(q_ptr + seq * stride_q_t + heads[:, None] * stride_q_h + dims[None, :], mask=head_ok[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    pos = tl.arange(0, BLOCK_SIZE)
-    # Splits take blocks round-robin, so even a short context is spread over all of them.
-    for b in range(split, tl.cdiv(seq_len, BLOCK_SIZE), NUM_SPLITS):
-        block = tl.load(tables_ptr + seq * stride_tab + b).to(tl.int64)
-        base = block * stride_c_blk + kv_head * stride_c_kv
-        offs = base + pos[:, None] * stride_c_pos + dims[None, :]
-        k = tl.load(k_ptr + offs).to(tl.float32)  # [BS, D]
-        v = tl.load(v_ptr + offs).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
-        s = tl.where((b * BLOCK_SIZE + pos)[None, :] < seq_len, s, float("-inf"))
+    offs = tl.arange(0, TILE)
+    # Splits take TILE-token tiles round-robin, so even a short context is spread over all of them;
+    # a tile spans several KV blocks, gathered through the block table.
+    for start in range(split * TILE, seq_len, NUM_SPLITS * TILE):
+        tok = start + offs
+        valid = tok < seq_len
+        block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GROUP_PAD, TILE]
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
     lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
@@ -98,8 +108,8 @@ def decode_attention_triton(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, num_heads)](
