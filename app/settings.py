@@ -88,20 +88,14 @@ def _env_default(name: str, default, kind):
 
 def add_arguments(parser: argparse.ArgumentParser, server: bool = True) -> None:
     """Flags for the engine (and the server); each defaults to its MINILLM_* variable if set."""
-    for f in fields(EngineConfig):
-        if f.name in _ENGINE_HELP:
-            kind = _kind(str(f.type))
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
-                                default=_env_default(f.name, f.default, kind),
-                                help=f"{_ENGINE_HELP[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
-    if not server:
-        return
-    for f in fields(ServerSettings):
-        if f.name in _HELP:
-            kind = _kind(str(f.type))
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
-                                default=_env_default(f.name, f.default, kind),
-                                help=f"{_HELP[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
+    groups = [(EngineConfig, _ENGINE_HELP)] + ([(ServerSettings, _HELP)] if server else [])
+    for settings_class, help_texts in groups:
+        for f in fields(settings_class):
+            if f.name in help_texts:
+                kind = _kind(str(f.type))
+                parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
+                                    default=_env_default(f.name, f.default, kind),
+                                    help=f"{help_texts[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
