@@ -1,6 +1,7 @@
 """Attention over the paged KV cache, for any mix of prefill chunks and decodes in one batch."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ def paged_attention_ref(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-    starts = meta.query_start_loc.tolist()
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # from the host copy: no device sync per layer
     if decode_rows:
         # All single-token queries at once: gather each sequence's keys, padded, and mask the tail.
         rows = torch.tensor(decode_rows, device=q.device)
