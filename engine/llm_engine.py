@@ -18,16 +18,25 @@ from engine.loader import RANDOM_PREFIX, load_model
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
-from engine.sampler import TokenLogprobs
+from engine.sampler import SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("minillm.engine")
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+
+
+@dataclass
+class _InFlight:
+    """A launched step: who samples, where each token goes, and the sampled ids still on the device."""
+
+    sampling: list[ScheduledSequence]
+    positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
+    sampled: SamplerOutput
 
 
 @dataclass
@@ -74,6 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
                                   config.cuda_graphs)
         self.requests: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len %d",
@@ -199,29 +209,63 @@ class LLMEngine:
         return RequestOutput(request_id, deltas, self._usage(request), finished=True, times=self._times(request))
 
     def has_unfinished(self) -> bool:
+        """Requests not yet finished (a step in flight for finished ones only is dropped later)."""
         return bool(self.requests)
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then collect the one before it (overlapped scheduling).
+
+        The device runs step N while the host schedules and launches step N+1, whose inputs name
+        step N's tokens by placeholder; only then does the host wait for step N's sampled ids. So
+        outputs lag one step, and a sequence that finished in step N computes one token too many.
+        """
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and any(s.seq.request.params.penalized for s in self._in_flight.sampling):
+            # Penalties read the real history: let the step in flight land before the next is made.
+            outputs += self._collect(self._take_in_flight())
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        launched = self._launch(out) if out.scheduled else None
+        if self._in_flight is not None:
+            outputs += self._collect(self._take_in_flight())
+        # Only now are this step's input ids all real, so the blocks it fills can be hashed.
+        self.scheduler.update_computed(out)
+        self._in_flight = launched
+        return outputs
+
+    def _take_in_flight(self) -> _InFlight:
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None
+        return in_flight
+
+    def _launch(self, out: SchedulerOutput) -> _InFlight | None:
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled = self.runner.execute(out)
-        self.scheduler.update_computed(out)
+        sampled = self.runner.execute(out, self._in_flight.sampled if self._in_flight else None)
         if sampled is None:
-            return []
-        outputs: dict[str, RequestOutput] = {}
+            return None
         sampling = [s for s in out.scheduled if s.samples]
-        for s, token_id, logprobs in zip(sampling, sampled.token_ids.tolist(), sampled.logprobs):
-            request = s.seq.request
+        positions = []
+        for row, s in enumerate(sampling):
+            positions.append(s.seq.num_tokens)
+            s.seq.token_ids.append(placeholder(row))
+            s.seq.num_placeholders += 1
+        return _InFlight(sampling, positions, sampled)
+
+    def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids; put them in place of their placeholders."""
+        outputs: dict[str, RequestOutput] = {}
+        token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
+        for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
+            seq, request = s.seq, s.seq.request
+            if seq.is_finished:  # aborted, or done in the step before: this token is surplus
+                continue
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            delta = self._append(s.seq, token_id, logprobs)
+            delta = self._append(seq, position, token_id, lp)
             ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
             ro.deltas.append(delta)
         for ro in outputs.values():
@@ -233,21 +277,23 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _append(self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
-        """Add a sampled token, find out whether the sample is done, and say what text became final."""
+    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
+        """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
         request, params = seq.request, seq.request.params
-        seq.token_ids.append(token_id)
+        seq.token_ids[position] = token_id
+        seq.num_placeholders -= 1
         self.generation_tokens_total += 1
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
         text = seq.detokenizer.add(token_id) if seq.detokenizer else ""
         reason: str | None = None
         stop_reason: str | int | None = None
+        length = position + 1
         if token_id in params.stop_token_ids or token_id in request.eos_token_ids:
             reason, stop_reason = "stop", token_id
         elif seq.detokenizer and seq.detokenizer.stop_hit is not None:
             reason, stop_reason = "stop", seq.detokenizer.stop_hit
-        elif len(seq.token_ids) - request.num_prompt_tokens >= request.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif length - request.num_prompt_tokens >= request.max_tokens or length >= self.max_model_len:
             reason = "length"
         if reason is not None:
             if seq.detokenizer and seq.detokenizer.stop_hit is None:
@@ -268,7 +314,7 @@ class LLMEngine:
     def _usage(self, request: Request) -> Usage:
         return Usage(
             prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=sum(len(s.token_ids) - request.num_prompt_tokens for s in request.sequences),
+            completion_tokens=sum(s.num_real_tokens - request.num_prompt_tokens for s in request.sequences),
             cached_tokens=request.sequences[0].num_cached_prompt_tokens if request.sequences else 0,
         )
 

@@ -3,6 +3,10 @@
 On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
 8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. Steps with
 prefill chunks run eagerly.
+
+Nothing here waits for the device. A step is launched while the previous one still runs, so its
+input ids may be placeholders (see engine.sequence.placeholder) for tokens that the previous
+step is still sampling: they are taken from that step's device output, inside the graph.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import resolve_placeholders
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import num_splits_for
 
@@ -27,7 +32,7 @@ class _DecodeGraph:
     def __init__(self, runner: "ModelRunner", batch: int, pool: object) -> None:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
-        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)  # placeholders included
         self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.slots = torch.full((batch,), runner.scratch_slot, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
@@ -38,27 +43,38 @@ class _DecodeGraph:
             num_splits=num_splits_for(batch, runner.model.cfg.num_kv_heads),
         )
         model, kv = runner.model, runner.kv_cache
+        self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
+
+        def forward() -> torch.Tensor:
+            ids = resolve_placeholders(self.input_ids, self.prev_tokens)
+            return model.compute_logits(model(ids, self.positions, kv, self.meta))
+
         for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
-            model.compute_logits(model(self.input_ids, self.positions, kv, self.meta))
+            forward()
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta))
+            self.logits = forward()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]], scratch_slot: int, scratch_block: int) -> torch.Tensor:
+            tables: list[list[int]], scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
         n, pad = len(input_ids), self.batch - len(input_ids)
         width = max(len(t) for t in tables)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
-        # stale table row points to); their logits are dropped.
-        self.input_ids.copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions.copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slots.copy_(torch.tensor(slots + [scratch_slot] * pad), non_blocking=True)
-        self.seq_lens.copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
+                             seq_lens + [1] * pad], dtype=torch.int64, pin_memory=True)
+        staged = host.to(self.input_ids.device, non_blocking=True)
+        self.input_ids.copy_(staged[0])
+        self.positions.copy_(staged[1])
+        self.slots.copy_(staged[2])
+        self.seq_lens.copy_(staged[3])
+        if prev is not None:
+            self.prev_tokens[: len(prev)].copy_(prev)
         # Only the blocks each sequence has are read, so only that corner of the table is refreshed.
         rows = [t + [scratch_block] * (width - len(t)) for t in tables]
-        self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32, pin_memory=True), non_blocking=True)
         self.graph.replay()
         return self.logits[:n]
 
@@ -83,6 +99,8 @@ class ModelRunner:
         model.init_rope(max_model_len)
         self.sampler = Sampler()
         self.graphs: dict[int, _DecodeGraph] = {}
+        # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
+        self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture(max_num_seqs)
 
@@ -95,11 +113,14 @@ class ModelRunner:
         log.info("captured decode CUDA graphs for batch sizes %s", sizes)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        # From pinned memory, so the copy is queued behind the running step instead of waiting for it.
+        pinned = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
-        """Compute the scheduled tokens; sample where a sequence reached its end. None if nothing samples."""
+    def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> SamplerOutput | None:
+        """Launch the scheduled tokens' forward; sample where a sequence reached its end. None if
+        nothing samples. `prev` is the step still in flight, whose sampled ids fill placeholders."""
         for src, dst in out.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         computing = [s for s in out.scheduled if s.num_new_tokens]
@@ -120,10 +141,12 @@ class ModelRunner:
         seq_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in computing]
         tables = [s.seq.block_table for s in computing]
         sampling = [s for s in out.scheduled if s.samples]
-        graph = self._graph_for(computing, sampling)
+        prev_ids = prev.token_ids if prev is not None else None
+        graph = self._graph_for(computing, sampling, prev_ids)
         if graph is not None:
-            logits = graph.run(input_ids, positions, slots, seq_lens, tables, self.scratch_slot, self.scratch_block)
-            return self.sampler(logits, [self._sample_row(s) for s in sampling])
+            logits = graph.run(input_ids, positions, slots, seq_lens, tables, self.scratch_slot, self.scratch_block,
+                               prev_ids)
+            return self._sample(logits, sampling)
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
@@ -134,17 +157,27 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             num_splits=num_splits_for(len(computing), self.model.cfg.num_kv_heads),
         )
-        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), self.kv_cache, meta)
+        ids = self._tensor(input_ids, torch.int64)
+        if prev_ids is not None:
+            ids = resolve_placeholders(ids, prev_ids)
+        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache, meta)
         if not sampling:
             return None
         rows = [last_row[(s.sample_from or s.seq).seq_id] for s in sampling]
-        logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
-        return self.sampler(logits, [self._sample_row(s) for s in sampling])
+        return self._sample(self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]), sampling)
 
-    def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence]) -> _DecodeGraph | None:
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> SamplerOutput:
+        sampled = self.sampler(logits, [self._sample_row(s) for s in sampling])
+        sampled.start_copy()
+        return sampled
+
+    def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence],
+                   prev: torch.Tensor | None) -> _DecodeGraph | None:
         """A captured graph fits a step whose every sequence decodes one token and samples it."""
         if not self.graphs or len(computing) != len(sampling) or any(s.num_new_tokens != 1 or s.sample_from
                                                                      for s in computing):
+            return None
+        if prev is not None and len(prev) > len(self.prev_tokens):
             return None
         batch = next((b for b in sorted(self.graphs) if b >= len(computing)), None)
         return self.graphs.get(batch) if batch is not None else None
@@ -157,5 +190,6 @@ class ModelRunner:
             seed=seq.seed,
             counter=seq.num_tokens,
             prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            # A copy of the history only where penalties read it (such steps wait for real ids).
+            output_token_ids=seq.output_token_ids if seq.request.params.penalized else (),
         )

@@ -10,6 +10,7 @@ same token whatever else is in the batch and wherever it sits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -38,12 +39,47 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # params.logprobs most likely (token_id, logprob), most likely first
 
 
-@dataclass
 class SamplerOutput:
-    """The batch's sampled tokens and, per row, their logprobs."""
+    """The batch's sampled tokens and logprobs, still on the device: the engine reads them (one copy
+    to the host, started by `start_copy`) only after it has launched the next step."""
 
-    token_ids: torch.Tensor  # [B] int64, on logits.device
-    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] | None = None,
+                 num_top: list[int] | None = None, chosen: torch.Tensor | None = None,
+                 top_values: torch.Tensor | None = None, top_ids: torch.Tensor | None = None) -> None:
+        self.token_ids = token_ids  # [B] int64, on the logits' device
+        self._rows = logprob_rows or []  # rows that asked for logprobs
+        self._num_top = num_top or []  # per such row, how many alternatives it asked for
+        self._tensors = [t for t in (token_ids, chosen, top_values, top_ids) if t is not None]
+        self._event: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Begin the device-to-host copy without waiting for it (pinned buffers, then an event)."""
+        if self.token_ids.device.type != "cuda":
+            return
+        self._tensors = [t.to("cpu", non_blocking=True) for t in self._tensors]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    @cached_property
+    def _host(self) -> list[list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.tolist() for t in self._tensors]
+
+    @property
+    def token_id_list(self) -> list[int]:
+        return self._host[0]
+
+    @cached_property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per row: the sampled token's raw logprob and its top alternatives; None where not asked."""
+        result: list[TokenLogprobs | None] = [None] * len(self._host[0])
+        if not self._rows:
+            return result
+        token_ids, chosen, top_values, top_ids = self._host
+        for j, (i, n) in enumerate(zip(self._rows, self._num_top)):
+            result[i] = TokenLogprobs(token_ids[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+        return result
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -138,24 +174,17 @@ def _draw(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return (apply_filters(scaled, rows) + noise).argmax(dim=-1)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> list[TokenLogprobs | None]:
-    """Per row, the raw-distribution logprob of its sampled token and its top params.logprobs tokens."""
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+    """The sampled tokens with, for rows that ask, their raw-distribution logprob and top tokens."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
-        return result
+        return SamplerOutput(token_ids)
     index = torch.tensor(wanted, device=raw.device)
     logprobs = raw[index].log_softmax(dim=-1)
-    chosen = token_ids[index]
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(k, dim=-1)  # k = 0 gives empty rows
-    top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
-    for j, (i, token_id) in enumerate(zip(wanted, chosen.tolist())):
-        n = rows[i].params.logprobs or 0
-        top = list(zip(top_id_list[j][:n], top_value_list[j][:n]))
-        result[i] = TokenLogprobs(token_id=token_id, logprob=chosen_logprobs[j], top=top)
-    return result
+    chosen = logprobs.gather(1, token_ids[index][:, None])[:, 0]
+    num_top = [rows[i].params.logprobs or 0 for i in wanted]
+    top_values, top_ids = logprobs.topk(max(num_top), dim=-1)  # k = 0 gives empty rows
+    return SamplerOutput(token_ids, wanted, num_top, chosen, top_values, top_ids)
 
 
 class Sampler:
@@ -173,4 +202,4 @@ class Sampler:
             if sampled:
                 index = torch.tensor(sampled, device=logits.device)
                 token_ids[index] = _draw(scores[index], [rows[i] for i in sampled])
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, token_ids, rows))
+        return _logprobs(raw, token_ids, rows)

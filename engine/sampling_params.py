@@ -31,6 +31,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens generated so far."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)

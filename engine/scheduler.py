@@ -124,7 +124,7 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens' KV is in the cache."""
         for s in out.scheduled:
-            if s.num_new_tokens:
+            if s.num_new_tokens and not s.seq.is_finished:
                 old = s.seq.num_computed_tokens
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.num_computed_prompt_tokens += max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - old)
@@ -139,3 +139,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        # Tokens still being sampled for it are surplus: a finished sequence holds real ids only.
+        del seq.token_ids[seq.num_real_tokens :]
+        seq.num_placeholders = 0

@@ -7,12 +7,24 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
+
+
+def placeholder(row: int) -> int:
+    """The token id standing for row `row` of the step still being sampled on the device."""
+    return -1 - row
+
+
+def resolve_placeholders(token_ids: "torch.Tensor", prev: "torch.Tensor") -> "torch.Tensor":
+    """Replace placeholders by the previous step's sampled ids (a device op: no host sync)."""
+    return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
 
 
 class SequenceStatus(enum.Enum):
@@ -37,6 +49,11 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_placeholders: int = 0  # trailing token ids still being sampled on the device
+
+    @property
+    def num_real_tokens(self) -> int:
+        return len(self.token_ids) - self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

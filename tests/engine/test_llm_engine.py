@@ -64,7 +64,7 @@ def test_chunked_prefill_matches_transformers(default_model_dir, reference) -> N
     engine = make_engine(default_model_dir, max_num_batched_tokens=16)
     chunks = []
     original = engine.runner.execute
-    engine.runner.execute = lambda out: chunks.append(out.num_batched_tokens) or original(out)
+    engine.runner.execute = lambda out, prev=None: chunks.append(out.num_batched_tokens) or original(out, prev)
     results = engine.generate(CHATS, GREEDY)
     assert [r.token_ids for r in results] == reference
     assert max(chunks) <= 16 and len(chunks) > 32  # every prompt (30+ tokens) took several steps
@@ -179,3 +179,37 @@ def test_logprobs_come_from_the_raw_distribution(default_model_dir, hf_default) 
         assert lp.token_id == r.token_ids[i]
         assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == ref[i].topk(5).indices.tolist()
+
+
+def test_steps_overlap_and_outputs_lag_one_step(default_model_dir, reference) -> None:
+    engine = make_engine(default_model_dir)
+    request = engine.add_request(CHATS[0], SamplingParams(temperature=0, max_tokens=3))
+    seq = request.sequences[0]
+    assert engine.step() == []  # the prefill is launched; its token is read in the next step
+    assert seq.num_placeholders == 1 and seq.token_ids[-1] < 0
+    counts = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        counts.append(sum(len(d.token_ids) for o in outs for d in o.deltas))
+        assert all(t >= 0 for t in seq.token_ids[: seq.num_real_tokens])
+    assert counts == [1, 1, 1]
+    # The third token was decoded once more before the engine saw it end the request: that token is dropped.
+    assert seq.output_token_ids == reference[0][:3] and seq.num_placeholders == 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_penalties_read_real_history(default_model_dir, hf_default) -> None:
+    """Penalties need the last token on the host, so such steps do not overlap; the tokens match a
+    greedy loop over transformers' logits with the frequency penalty applied by hand."""
+    engine = make_engine(default_model_dir)
+    [r] = engine.generate([CHATS[1]], SamplingParams(temperature=0, max_tokens=8, frequency_penalty=1.5, ignore_eos=True))
+    model, _ = hf_default
+    ids = engine.tokenizer.apply_chat_template(CHATS[1])
+    expected: list[int] = []
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(torch.tensor([ids + expected])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(expected, dtype=torch.int64), minlength=logits.numel())
+            expected.append(int((logits - 1.5 * counts).argmax()))
+    assert r.token_ids == expected
+    assert len(set(expected)) > 4  # the penalty really steers away from repeats
