@@ -6,6 +6,9 @@ alone, and the replay's kernels by total time (torch.profiler). Not a benchmark 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -25,11 +28,12 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3.2-1b")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches)))
     engine.warm_up()
     for batch in args.batches:
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 20, ignore_eos=True)  # timed steps, then profiled ones
         for i in range(batch):
             engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
         while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
@@ -40,6 +44,17 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - start) / args.steps * 1000
+        host_report = ""
+        if args.host_profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+            host_report = text.getvalue()
         graph = engine.runner.graphs[next(b for b in sorted(engine.runner.graphs) if b >= batch)]
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -54,6 +69,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"\nbatch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
               f"host and sampling {step_ms - replay_ms:.3f} ms ({(step_ms - replay_ms) / step_ms:.0%})")
+        print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
         averages = prof.key_averages()
         try:
             print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))

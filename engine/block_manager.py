@@ -55,12 +55,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The chained hashes of seq's first num_blocks full blocks (computed once, kept on seq)."""
+        """seq's chained block hashes, the first num_blocks at least (computed once, kept on seq)."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes[:num_blocks]
+        return hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens. The last token is always left to compute,
@@ -68,7 +68,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        for h in self._hashes(seq, num_blocks)[:num_blocks]:
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -79,6 +80,10 @@ class BlockManager:
         """Make room for seq's next num_new_tokens tokens (after taking cached_blocks, for a sequence
         with no blocks yet). All or nothing: returns False and changes nothing if blocks run out."""
         assert not cached_blocks or not seq.block_table
+        table = seq.block_table
+        if (not cached_blocks and table and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+                and self.blocks[table[-1]].ref_count == 1):
+            return True  # the common decode step: room left in its own last block
         num_computed = seq.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(seq.block_table) + len(cached_blocks)
         need = max(self.blocks_for(num_computed + num_new_tokens) - have, 0)
@@ -113,7 +118,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         first, last = old_num_computed // self.block_size, seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self._hashes(seq, last)[first:], start=first):
+        if first == last:
+            return
+        for i, h in enumerate(self._hashes(seq, last)[first:last], start=first):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash = h

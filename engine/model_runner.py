@@ -32,10 +32,12 @@ class _DecodeGraph:
     def __init__(self, runner: "ModelRunner", batch: int, pool: object) -> None:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
-        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)  # placeholders included
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.slots = torch.full((batch,), runner.scratch_slot, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
+        # Input ids (placeholders included), positions, slots and lengths: one buffer, one copy a step.
+        self.inputs = torch.zeros(4, batch, dtype=torch.int64, device=dev)
+        self.inputs[2] = runner.scratch_slot
+        self.inputs[3] = 1
+        self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)  # inputs[3] as int32, inside the graph
         self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
         self.meta = AttentionMetadata(
             slot_mapping=self.slots, query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
@@ -46,6 +48,7 @@ class _DecodeGraph:
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
 
         def forward() -> torch.Tensor:
+            self.seq_lens.copy_(self.inputs[3])
             ids = resolve_placeholders(self.input_ids, self.prev_tokens)
             return model.compute_logits(model(ids, self.positions, kv, self.meta))
 
@@ -65,11 +68,7 @@ class _DecodeGraph:
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
                              seq_lens + [1] * pad], dtype=torch.int64, pin_memory=True)
-        staged = host.to(self.input_ids.device, non_blocking=True)
-        self.input_ids.copy_(staged[0])
-        self.positions.copy_(staged[1])
-        self.slots.copy_(staged[2])
-        self.seq_lens.copy_(staged[3])
+        self.inputs.copy_(host, non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
         # Only the blocks each sequence has are read, so only that corner of the table is refreshed.
@@ -132,10 +131,15 @@ class ModelRunner:
         bs = self.block_size
         for s in computing:
             seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.num_new_tokens == 1:  # a decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                end = start + s.num_new_tokens
+                input_ids += seq.token_ids[start:end]
+                positions += range(start, end)
+                slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(len(input_ids))
             last_row[seq.seq_id] = len(input_ids) - 1
         seq_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in computing]

@@ -10,6 +10,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.decode_attention import decode_attention_triton
 from kernels.dispatch import use_triton
+from kernels.prefill_attention import prefill_attention_triton
 
 
 @dataclass
@@ -87,7 +88,10 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Paged attention: decode batches through the Triton flash-decoding kernel (no host syncs, so
-    graph-safe); batches with prefill chunks through the reference (SDPA per sequence) for now."""
-    if use_triton(q) and meta.decode_only:
+    graph-safe), batches with prefill chunks through the Triton prefill/extend kernel."""
+    if not use_triton(q):
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if meta.decode_only:
         return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    return prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                    max(meta.query_lens_cpu), scale)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device-tool call: GPU tests, where a decode step's time goes, then the benchmark of record.
+# Logs and the JSON land in $OUT; the summary table prints last.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+timeout 240 python3 -m pytest -q -x tests/gpu ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
+echo "tests/gpu: rc=$? $(tail -1 "$OUT/tests.log")"
+grep -E "identical|not a benchmark" "$OUT/tests.log"
+if [ -z "${SKIP_PROFILE:-}" ]; then
+  timeout 150 python3 bench/profile_step.py --batches 1 8 64 --host-profile > "$OUT/profile.log" 2>&1
+  grep -E "^batch" "$OUT/profile.log"
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout 480 python3 bench/gpu.py --out "$OUT/h200.json" --budget-s "${BUDGET_S:-420}" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "bench: rc=$?"
+  sed -n '/^| /,$p' "$OUT/bench.log" | tail -40
+fi

@@ -1,0 +1,101 @@
+"""Prefill/extend attention over the paged KV cache in Triton (flash attention, variable lengths).
+
+The queries of a step are packed back to back: sequence b owns rows query_start_loc[b] to
+query_start_loc[b+1], the last q_len of its seq_len tokens, whose K/V (cached prefix blocks and the
+chunk itself) are already in the cache. One program per (sequence, query head, tile of BLOCK_M
+queries) walks the KV tiles it may see (causal: up to its last query's position), gathering each
+BLOCK_N-token tile across KV blocks through the block table, with an online softmax. Decode rows
+(q_len 1) in a mixed batch are one-row tiles of the same kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, query_start_ptr, lens_ptr,
+    scale,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_blk, stride_c_pos, stride_c_kv,
+    stride_tab,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:  # the grid covers the longest chunk; shorter ones have idle tiles
+        seq_len = tl.load(lens_ptr + seq)
+        context = seq_len - q_len  # tokens before the chunk: cached prefix and earlier chunks
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = context + rows
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        kv_head = head // GROUP
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)  # keys past the tile's last query are unseen
+        for start in range(0, end, BLOCK_N):
+            tok = start + offs
+            valid = tok < end
+            block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
+            k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            seen = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+            s = tl.where(seen, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            # Key 0 is seen by every row in the first tile, so m is finite from then on.
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_t + head * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D] packed queries; caches: [num_blocks, block_size, KV, D]; → [T, H, D].
+    max_query_len (a host number) sizes the grid."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    # Smaller tiles under the interpreter (CPU tests) and for float32, whose tiles take twice the registers.
+    interpreted = q.device.type == "cpu"
+    block_m = 16 if interpreted else (64 if q.dtype == torch.float32 or head_dim > 128 else 128)
+    block_n = 16 if interpreted else (32 if q.dtype == torch.float32 or head_dim > 128 else 64)
+    out = torch.empty_like(q)
+    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=4 if interpreted or block_m <= 64 else 8, num_stages=2,
+    )
+    return out

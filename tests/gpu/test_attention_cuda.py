@@ -1,0 +1,61 @@
+"""The Triton decode and prefill/extend attention kernels against the torch reference on a CUDA GPU,
+at Llama-3.2-1B and Qwen2.5-0.5B head shapes (run through the device tool; skipped without a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import AttentionMetadata, paged_attention_ref
+from kernels.decode_attention import decode_attention_triton, num_splits_for
+from kernels.prefill_attention import prefill_attention_triton
+from tests.gpu.test_kernels_cuda import rel_err
+from tests.kernels.conftest import nan_poisoned_allocations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 4096
+HEAD_SHAPES = [(32, 8), (14, 2)]  # (query heads, KV heads): Llama-3.2-1B, Qwen2.5-0.5B
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch.dtype):
+    """Random caches, scattered block tables and packed queries for (seq_len, q_len) pairs."""
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    free = torch.randperm(NUM_BLOCKS).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n, _ in shapes]
+    width = max(map(len, tables))
+    q_lens = [q for _, q in shapes]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([n for n, _ in shapes], dtype=torch.int32, device="cuda"),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda"),
+        query_lens_cpu=q_lens, seq_lens_cpu=[n for n, _ in shapes],
+        num_splits=num_splits_for(len(shapes), kv_heads),
+    )
+    q = torch.randn(sum(q_lens), heads, HEAD_DIM, device="cuda", dtype=dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", HEAD_SHAPES)
+@pytest.mark.parametrize("lens", [[1, 17, 300, 4097, 8192, 64, 1000, 2], [130] * 64])
+def test_decode_attention(dtype, heads, kv_heads, lens) -> None:
+    q, k_cache, v_cache, meta = batch([(n, 1) for n in lens], heads, kv_heads, dtype)
+    with nan_poisoned_allocations():
+        out = decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, HEAD_DIM**-0.5,
+                                      meta.num_splits)
+    assert rel_err(out, paged_attention_ref(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", HEAD_SHAPES)
+def test_prefill_attention(dtype, heads, kv_heads) -> None:
+    # A long first prefill, a chunk after a cached prefix, decodes beside them, odd lengths.
+    shapes = [(2048, 2048), (5000, 512), (700, 1), (37, 37), (4096, 1), (1500, 999)]
+    q, k_cache, v_cache, meta = batch(shapes, heads, kv_heads, dtype)
+    with nan_poisoned_allocations():
+        out = prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                       max(meta.query_lens_cpu), HEAD_DIM**-0.5)
+    assert rel_err(out, paged_attention_ref(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)) < 1e-2
