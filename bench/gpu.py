@@ -43,6 +43,7 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -318,6 +319,8 @@ def hf_static_decode(model: transformers.PreTrainedModel, prompts: list[list[int
 
 
 def git_commit() -> str:
+    if os.environ.get("MINILLM_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
+        return os.environ["MINILLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)

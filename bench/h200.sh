@@ -6,7 +6,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -x tests/gpu ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
+timeout 240 python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
 echo "tests/gpu: rc=$? $(tail -1 "$OUT/tests.log")"
 grep -E "identical|not a benchmark" "$OUT/tests.log"
 if [ -z "${SKIP_PROFILE:-}" ]; then
