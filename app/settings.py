@@ -12,6 +12,7 @@ ENV_PREFIX = "MINILLM_"
 
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
+    "tokenizer": "a directory holding the tokenizer to use instead of the model's ('default': the embedded model's); random:<shape> models have none of their own",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU)",
     "device": "auto, cpu or cuda[:N]",
     "weights_seed": "seed of the weights of random:<shape> models",

@@ -28,6 +28,7 @@ def parse_bytes(value: str | int) -> int:
 @dataclass
 class EngineConfig:
     model: str = "default"  # "default", a Hugging Face directory, or "random:<shape>"
+    tokenizer: str | None = None  # a directory with the tokenizer, if not the model's (random models have none)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available
     weights_seed: int = 0  # seed of the weights of random:<shape> models

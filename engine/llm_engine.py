@@ -13,7 +13,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, parse_bytes
-from engine.errors import ContextLengthError, InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.loader import RANDOM_PREFIX, load_model
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
@@ -64,7 +64,7 @@ class LLMEngine:
         source: str | Path = config.model if is_random else resolve_model(config.model)
         self.model = load_model(source, dtype, device, seed=config.weights_seed)
         self.model_config = self.model.cfg
-        self.tokenizer = None if is_random or not Tokenizer.present(Path(source)) else Tokenizer.from_dir(Path(source))
+        self.tokenizer = self._load_tokenizer(None if is_random else Path(source))
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         )
@@ -89,6 +89,22 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len %d",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * bytes_per_block / 2**20, self.max_model_len)
+
+    def _load_tokenizer(self, model_dir: Path | None) -> Tokenizer | None:
+        """--tokenizer's directory, else the model's; a random-weight model may have none."""
+        if self.config.tokenizer:
+            path = resolve_model(self.config.tokenizer)
+            if not Tokenizer.present(path):
+                raise ModelLoadError(f"No tokenizer in {path}.")
+        elif model_dir is not None and Tokenizer.present(model_dir):
+            path = model_dir
+        else:
+            return None
+        tokenizer = Tokenizer.from_dir(path)
+        if len(tokenizer.hf) > self.model_config.vocab_size:  # its ids would index past the embedding
+            raise ModelLoadError(f"The tokenizer in {path} has {len(tokenizer.hf)} tokens, more than the model's "
+                                 f"vocabulary of {self.model_config.vocab_size}.")
+        return tokenizer
 
     def _kv_budget(self, device: torch.device) -> int:
         if self.config.kv_cache_memory is not None:

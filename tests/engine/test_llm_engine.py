@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError, InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -213,3 +213,13 @@ def test_penalties_read_real_history(default_model_dir, hf_default) -> None:
             expected.append(int((logits - 1.5 * counts).argmax()))
     assert r.token_ids == expected
     assert len(set(expected)) > 4  # the penalty really steers away from repeats
+
+
+def test_a_random_model_takes_a_tokenizer_from_elsewhere(default_model_dir) -> None:
+    engine = LLMEngine(EngineConfig(model="random:smollm2-135m", tokenizer=str(default_model_dir), device="cpu",
+                                    kv_cache_memory="64MiB"))
+    [r] = engine.generate([CHATS[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(r.token_ids) == 5 and r.text == engine.tokenizer.decode(r.token_ids)
+    with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
+        LLMEngine(EngineConfig(model="random:tiny-llama3", tokenizer=str(default_model_dir), device="cpu",
+                               kv_cache_memory="16MiB"))
