@@ -20,7 +20,7 @@ _ENGINE_HELP = {
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1GiB on CPU; on GPU what --gpu-memory-utilization leaves)",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and KV blocks (the rest of a profiled largest step goes to KV)",
     "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step (long prompts are prefilled in chunks)",
+    "max_num_batched_tokens": "most tokens computed in one step; longer prompts are prefilled in chunks (default: 8192 on a GPU of 70 GiB or more, else 2048)",
     "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
 }

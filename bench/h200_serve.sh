@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: the real server (Granian) on the GPU with random:llama-3.2-1b in bf16 and the
-# embedded model's tokenizer, driven by bench/serve.py at 1, 16 and 64 streaming users and by Locust
-# at 64 users. The device image lacks the server's packages: carry them as wheels in .whl (see the
+# embedded model's tokenizer, driven by bench/serve.py at 1, 16 and 64 streaming users (each level
+# starts all its users at once) and by Locust's step ramp up to 64 users. The device image lacks the server's packages: carry them as wheels in .whl (see the
 # README's benchmark section). Logs and JSON land in $OUT; the table prints last.
 set -u
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
@@ -11,7 +11,7 @@ PY=${PY:-python3}
 MODEL=${MODEL:-random:llama-3.2-1b}
 NAME=${NAME:-llama-3.2-1b-random}
 SPECS=${SPECS:-"1:16 16:96 64:256"}  # users:requests for bench/serve.py
-LOCUST_S=${LOCUST_S:-45}
+LOCUST_S=${LOCUST_S:-90}  # Locust: 16 more users every 15 s up to 64, then held
 URL=http://127.0.0.1:8000
 mkdir -p "$OUT"
 [ -n "${SKIP_WHEELS:-}" ] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -31,8 +31,8 @@ for spec in $SPECS; do
     --json "$OUT/serve-$1.json" > "$OUT/serve-$1.log" 2>&1
   echo "serve.py users=$1 rc=$?"
 done
-timeout $((LOCUST_S + 45)) $PY -m locust -f loadtest/locustfile.py --headless --host $URL -u 64 -r 64 --step-users 64 \
-  --step-time $LOCUST_S -t ${LOCUST_S}s --max-tokens 128 --csv "$OUT/locust" --html "$OUT/locust.html" > "$OUT/locust.log" 2>&1
+timeout $((LOCUST_S + 45)) $PY -m locust -f loadtest/locustfile.py --headless --host $URL -u 64 -r 16 --step-users 16 \
+  --step-time 15 -t ${LOCUST_S}s --max-tokens 128 --csv "$OUT/locust" --html "$OUT/locust.html" > "$OUT/locust.log" 2>&1
 echo "locust rc=$?"
 curl -s $URL/metrics > "$OUT/metrics.txt"
 kill -TERM $SERVER; wait $SERVER

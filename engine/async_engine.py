@@ -27,10 +27,19 @@ class _Channel:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        _send(self.loop, [(self.queue, item)])
+
+
+def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """Hand items to their queues on loop's thread: one wake-up of that loop for all of them."""
+    def put_all() -> None:
+        for q, item in items:
+            q.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass
 
 
 class AsyncEngine:
@@ -79,6 +88,11 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await channel.queue.get()
+                # A reader that fell behind (a slow client, a busy event loop) gets what queued up
+                # as one output: one message for several steps' tokens.
+                while isinstance(item, RequestOutput) and not item.finished and not channel.queue.empty():
+                    later = channel.queue.get_nowait()
+                    item = later if isinstance(later, BaseException) else item.merge(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -138,6 +152,9 @@ class AsyncEngine:
                     self._deliver([out])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         for out in outputs:
             if channel := self._channels.get(out.request_id):
-                channel.put(out)
+                by_loop.setdefault(channel.loop, []).append((channel.queue, out))
+        for loop, items in by_loop.items():
+            _send(loop, items)

@@ -36,7 +36,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights, activations and KV
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 8192 on a GPU of 70 GiB or more, else 2048 (as vLLM)
     max_model_len: int | None = None  # None: the model's, capped by what the KV budget holds
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps on CUDA (off: every step eager, for debugging)
@@ -45,6 +45,15 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def batched_tokens(self) -> int:
+        """--max-num-batched-tokens, or its default for the device: big GPUs prefill faster in big
+        chunks; small ones and CPUs keep decodes beside a chunk from stalling."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        device = self.torch_device()
+        big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 70 * 2**30
+        return 8192 if big else 2048
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -68,6 +68,8 @@ class LLMEngine:
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         )
+        # Ids past the tokenizer's (a padded vocabulary) are never sampled.
+        self.sample_vocab_size = len(self.tokenizer.hf) if self.tokenizer else self.model_config.vocab_size
         bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token(dtype.itemsize)
         num_blocks = self._kv_budget(device) // bytes_per_block
         if num_blocks < 2:
@@ -79,9 +81,9 @@ class LLMEngine:
         self.model_config.check_context(self.max_model_len)
         self.kv_bytes_per_block = bytes_per_block
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.cuda_graphs)
+                                  config.cuda_graphs, self.sample_vocab_size)
         self.requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
         self.prompt_tokens_total = 0
@@ -118,7 +120,7 @@ class LLMEngine:
         """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
         of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
         cfg, bs = self.model_config, self.config.block_size
-        tokens = self.config.max_num_batched_tokens
+        tokens = self.config.batched_tokens()
         blocks = -(-tokens // bs)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -157,7 +159,7 @@ class LLMEngine:
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Tokenize and validate; raises a typed error before anything is queued. Touches no engine state."""
         vocab = self.model_config.vocab_size
-        params.validate(vocab_size=vocab)
+        params.validate(vocab_size=self.sample_vocab_size)
         if isinstance(prompt, str):
             token_ids = self._need_tokenizer().encode(prompt)
         elif not isinstance(prompt, list) or not prompt:

@@ -80,7 +80,7 @@ class _DecodeGraph:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int = 256, use_cuda_graphs: bool = True) -> None:
+                 max_num_seqs: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
@@ -96,7 +96,7 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         model.init_rope(max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(sample_vocab_size)
         self.graphs: dict[int, _DecodeGraph] = {}
         # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)

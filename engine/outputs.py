@@ -47,3 +47,21 @@ class RequestOutput:
     finished: bool = False
     prompt_token_ids: list[int] = field(default_factory=list)
     times: RequestTimes | None = None  # on the finished output only
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same request, as one (for a reader that fell
+        behind: one message instead of several)."""
+        by_index = {d.index: d for d in self.deltas}
+        for d in later.deltas:
+            if (first := by_index.get(d.index)) is None:
+                by_index[d.index] = first = SampleDelta(d.index, [], "", None)
+                self.deltas.append(first)
+            first.token_ids = first.token_ids + d.token_ids
+            first.text += d.text
+            if d.logprobs is not None:
+                first.logprobs = (first.logprobs or []) + d.logprobs
+            first.finish_reason, first.stop_reason = d.finish_reason or first.finish_reason, d.stop_reason or first.stop_reason
+        self.usage = later.usage or self.usage
+        self.finished = later.finished
+        self.times = later.times or self.times
+        return self

@@ -188,11 +188,18 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleR
 
 
 class Sampler:
-    """Picks one token per row of a [B, V] logits batch; stateless, so one instance serves the engine."""
+    """Picks one token per row of a [B, V] logits batch; stateless, so one instance serves the engine.
+
+    vocab_size, if less than V, is the tokenizer's: a model's vocabulary may be padded past it, and
+    ids it cannot decode are never sampled (nor listed in logprobs).
+    """
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed."""
-        raw = logits.float()
+        raw = logits[:, : self.vocab_size].float()
         scores = apply_penalties(apply_logit_bias(raw, rows), rows)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled and len(sampled) == len(rows):

@@ -87,3 +87,23 @@ def test_a_dead_loop_fails_waiters_and_new_requests(engine: AsyncEngine) -> None
     assert not engine.is_alive
     with pytest.raises(EngineDeadError):
         asyncio.run(run())
+
+
+def test_a_reader_that_falls_behind_gets_merged_outputs(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, n=2)
+
+    async def run() -> tuple[int, dict[int, list[int]], dict[int, int]]:
+        outputs, tokens, logprobs = 0, {0: [], 1: []}, {0: 0, 1: 0}
+        async for out in engine.generate([5, 6, 7], params):
+            outputs += 1
+            for d in out.deltas:
+                tokens[d.index] += d.token_ids
+                logprobs[d.index] += len(d.logprobs or [])
+            await asyncio.sleep(0.05)  # a slow client: several steps queue up meanwhile
+        return outputs, tokens, logprobs
+
+    outputs, tokens, logprobs = asyncio.run(run())
+    offline = LLMEngine(engine.engine.config).generate([[5, 6, 7]], params)[0]
+    assert tokens == {i: offline.samples[i].token_ids for i in (0, 1)}
+    assert logprobs == {0: 40, 1: 40}
+    assert outputs < 20  # far fewer messages than the 40 steps

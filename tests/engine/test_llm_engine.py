@@ -223,3 +223,14 @@ def test_a_random_model_takes_a_tokenizer_from_elsewhere(default_model_dir) -> N
     with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
         LLMEngine(EngineConfig(model="random:tiny-llama3", tokenizer=str(default_model_dir), device="cpu",
                                kv_cache_memory="16MiB"))
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(default_model_dir) -> None:
+    engine = LLMEngine(EngineConfig(model="random:smollm2-135m", tokenizer=str(default_model_dir), device="cpu",
+                                    kv_cache_memory="64MiB"))
+    # Its vocabulary is the tokenizer's (49152): shrink what the sampler sees to test the limit.
+    engine.runner.sampler.vocab_size = engine.sample_vocab_size = 1000
+    [r] = engine.generate([[5, 6, 7]], SamplingParams(temperature=2.0, max_tokens=64, seed=1, ignore_eos=True, logprobs=3))
+    assert max(r.token_ids) < 1000 and all(t < 1000 for lp in r.samples[0].logprobs for t, _ in lp.top)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request([5], SamplingParams(logit_bias={1500: 1.0}))
