@@ -109,12 +109,13 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def start(request: Request, gen: Generation, prompts: list[Any], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def start(request: Request, gen: Generation, prompts: list[Any], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Validate every prompt now (errors before any byte is sent), then queue them all."""
     state = state_of(request)
     engine = state.live_engine()
     state.check_queue(engine)
-    prepared = [engine.prepare(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}") for i, p in enumerate(prompts)]
+    prepared = await engine.prepare_all([(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}")
+                                         for i, p in enumerate(prompts)])
     gen.prompt_tokens = sum(r.num_prompt_tokens for r in prepared)
     gen.num_choices = len(prepared) * gen.n
     return merged([engine.stream(r) for r in prepared])
@@ -230,7 +231,7 @@ async def chat_completions(request: Request) -> Response:
     messages, params = body.to_engine()
     gen = Generation("chat", f"chatcmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
     engine = state.live_engine()
-    outputs = observed(request, gen, start(request, gen, [messages], params))
+    outputs = observed(request, gen, await start(request, gen, [messages], params))
     want_logprobs = params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -302,7 +303,7 @@ async def completions(request: Request) -> Response:
     prompts, params = body.to_engine()
     gen = Generation("completion", f"cmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
     engine = state.live_engine()
-    outputs = observed(request, gen, start(request, gen, prompts, params))
+    outputs = observed(request, gen, await start(request, gen, prompts, params))
     echo = {}
     if body.echo:
         tokenizer = engine.engine.tokenizer

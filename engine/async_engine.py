@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ class AsyncEngine:
         self._channels: dict[str, _Channel] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        # One thread: the tokenizer is never used by two requests at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")
         self._stats = engine.stats()
         self.error: BaseException | None = None
 
@@ -57,6 +60,7 @@ class AsyncEngine:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._tokenizer_thread.shutdown(wait=False)
         self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout)
@@ -77,6 +81,12 @@ class AsyncEngine:
         if request_id is not None and request_id in self._channels:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
         return self.engine.make_request(prompt, params, request_id)
+
+    async def prepare_all(self, items: list[tuple[Prompt, SamplingParams, str | None]]) -> list[Request]:
+        """prepare() for each item, on the tokenizer's own thread: a long prompt's tokenization and
+        chat template never hold up the event loop (its other streams)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, lambda: [self.prepare(*item) for item in items])
 
     async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue a prepared request and yield its outputs step by step. Leaving the loop early

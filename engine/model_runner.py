@@ -20,6 +20,7 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import resolve_placeholders
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import num_splits_for
+from kernels.dispatch import to_device
 
 log = logging.getLogger("minillm.engine")
 
@@ -112,9 +113,7 @@ class ModelRunner:
         log.info("captured decode CUDA graphs for batch sizes %s", sizes)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        # From pinned memory, so the copy is queued behind the running step instead of waiting for it.
-        pinned = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> SamplerOutput | None:

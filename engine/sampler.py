@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.dispatch import to_device
 from kernels.sampling import gumbel_noise
 
 
@@ -84,7 +85,7 @@ class SamplerOutput:
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """A [B, 1] float32 tensor of one per-row parameter, to broadcast over the vocabulary."""
-    return torch.tensor(values, dtype=torch.float32, device=device).reshape(len(values), 1)
+    return to_device(list(values), torch.float32, device).reshape(len(values), 1)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -100,8 +101,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.T
     if not biases:
         return logits
     device = logits.device
-    index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    index = (to_device(row_idx, torch.int64, device), to_device(token_idx, torch.int64, device))
+    return logits.index_put(index, to_device(biases, logits.dtype, device), accumulate=True)
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -109,7 +110,7 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: t
     width = max((len(ids) for ids in token_ids), default=0)
     # Padding points at an extra column that is dropped afterwards.
     padded = [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_ids), width)
+    index = to_device(padded, torch.int64, device).reshape(len(token_ids), width)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab_size]
@@ -179,7 +180,7 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleR
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return SamplerOutput(token_ids)
-    index = torch.tensor(wanted, device=raw.device)
+    index = to_device(wanted, torch.int64, raw.device)
     logprobs = raw[index].log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[index][:, None])[:, 0]
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
@@ -207,6 +208,6 @@ class Sampler:
         else:
             token_ids = scores.argmax(dim=-1)
             if sampled:
-                index = torch.tensor(sampled, device=logits.device)
+                index = to_device(sampled, torch.int64, logits.device)
                 token_ids[index] = _draw(scores[index], [rows[i] for i in sampled])
         return _logprobs(raw, token_ids, rows)

@@ -7,6 +7,8 @@ from typing import Sequence, TypeVar
 
 import torch
 
+from kernels.dispatch import to_device
+
 _MASK32 = 0xFFFFFFFF
 # Round constants for the per-row keys; any distinct values do.
 _KEY1, _KEY2 = 0x3C6EF372, 0x1B873593
@@ -32,7 +34,7 @@ def _row_keys(seed: int, counter: int) -> tuple[int, int]:
 
 def gumbel_noise_ref(seeds: Sequence[int], counters: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, V] float32 standard Gumbel noise; entry (r, v) depends only on (seeds[r], counters[r], v)."""
-    keys = torch.tensor([_row_keys(s, c) for s, c in zip(seeds, counters)], dtype=torch.int64, device=device)
+    keys = to_device([_row_keys(s, c) for s, c in zip(seeds, counters)], torch.int64, device)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
     bits = _mix32(_mix32(vocab ^ keys[:, :1]) ^ keys[:, 1:])
     # 23 bits -> u = (2k + 1) / 2**24: exact in float32 and strictly inside (0, 1).
