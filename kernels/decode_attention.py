@@ -14,6 +14,34 @@ import triton.language as tl
 
 
 @triton.jit
+def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, acc, scale,
+                   stride_c_blk, stride_c_pos, stride_c_kv,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step of flash attention: the query rows q [R, D] against the keys at
+    positions tok (valid where in range), gathered across KV blocks through one sequence's block
+    table; `seen` [R, T] masks what each row may attend to. Returns the updated (m, l, acc)."""
+    dims = tl.arange(0, HEAD_DIM)
+    block = tl.load(table_ptr + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
+    k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [T, D]
+    v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(seen, s * scale, float("-inf"))  # [R, T]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale,
@@ -42,25 +70,8 @@ def _decode_split_kernel(
     for start in range(split * TILE, seq_len, NUM_SPLITS * TILE):
         tok = start + offs
         valid = tok < seq_len
-        block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [GROUP_PAD, TILE]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tab, kv_head, tok, valid, valid[None, :],
+                                   m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
     # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
     lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     out = acc / tl.where(l > 0, l, 1.0)[:, None]

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import attend_kv_tile
+
 
 @triton.jit
 def _prefill_kernel(
@@ -47,27 +49,10 @@ def _prefill_kernel(
         for start in range(0, end, BLOCK_N):
             tok = start + offs
             valid = tok < end
-            block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
-            k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
             seen = valid[None, :] & (tok[None, :] <= q_pos[:, None])
-            s = tl.where(seen, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
             # Key 0 is seen by every row in the first tile, so m is finite from then on.
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+            m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tab, kv_head, tok, valid, seen,
+                                       m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_t + head * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
