@@ -1,0 +1,69 @@
+"""FP8 weight quantization, and the Triton w8a16 FP8 linear kernel against the torch reference on
+CPU through Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong).
+tests/gpu/test_quant_kernels_cuda.py covers the _scaled_mm prefill path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
+from tests.kernels.conftest import nan_poisoned_allocations
+
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def test_quantize_fp8_maps_each_rows_largest_magnitude_to_fp8_max() -> None:
+    w = torch.randn(16, 40, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 16)[:, None]
+    q, scale = quantize_fp8(w)
+    assert q.dtype == FP8 and scale.shape == (16,) and scale.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((16,), FP8_MAX))
+    torch.testing.assert_close(q.float() * scale[:, None], w, rtol=2**-4, atol=0)  # 3 mantissa bits
+
+
+def test_quantize_per_token() -> None:
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1)) * torch.tensor([1e-3, 1, 10, 300, 1e4])[:, None]
+    xq, scale = quantize_per_token(x)
+    assert xq.dtype == FP8 and scale.shape == (5, 1)
+    assert torch.equal(xq.float().abs().amax(dim=1), torch.full((5,), FP8_MAX))
+    torch.testing.assert_close(xq.float() * scale, x, rtol=2**-4, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_kernel_decodes_every_e4m3_value_exactly(triton_interpreter, rows) -> None:
+    """x = one-hot rows picks out weight columns: out must equal the decoded bytes bit for bit
+    (subnormals and negatives included; the two NaN bytes are left out)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    weight = codes.view(16, 16).view(FP8)  # [N, K]
+    x = torch.eye(16)[:rows]
+    with nan_poisoned_allocations():
+        out = fp8_linear(x, weight, torch.ones(16))
+    assert torch.equal(out, weight.float().t()[:rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 33], ids=["gemv", "few-rows", "gemm"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_linear_matches_reference(triton_interpreter, dtype, rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    in_features, out_features = 160, 200  # a partial K tile and a partial column tile
+    weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    assert not use_scaled_mm(x, weight)  # on CPU even prefill takes the Triton kernel
+    with nan_poisoned_allocations():
+        out = fp8_linear(x, weight, scale, bias)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, fp8_linear_ref(x, weight, scale, bias), **TOLERANCE[dtype])
+
+
+def test_fp8_linear_takes_batched_strided_inputs_and_a_per_tensor_scale(triton_interpreter) -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight, _ = quantize_fp8(torch.randn(48, 64, generator=gen))
+    scale = torch.tensor([0.01])
+    x = torch.randn(2, 3, 80, generator=gen)[..., 8:72]
+    with nan_poisoned_allocations():
+        out = fp8_linear(x, weight, scale)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])

@@ -1,0 +1,99 @@
+"""AWQ's 4-bit packing, and the Triton INT4 linear kernel against the torch reference on CPU through
+Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.int4_linear import (
+    AWQ_ORDER, AWQ_REVERSE_ORDER, dequantize_awq, int4_linear, int4_linear_ref, pack_awq, unpack_awq,
+)
+from tests.kernels.conftest import nan_poisoned_allocations
+
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def awq_weight(in_features: int, out_features: int, group_size: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (qweight, qzeros, fp16 scales) whose layer maps O(1) inputs to O(1) outputs."""
+    q = torch.randint(0, 16, (in_features, out_features), generator=gen)
+    z = torch.randint(0, 16, (in_features // group_size, out_features), generator=gen)
+    scales = (torch.rand(in_features // group_size, out_features, generator=gen) + 0.5) * 0.3 * in_features**-0.5
+    return pack_awq(q), pack_awq(z), scales.half()
+
+
+# ---- the layout (torch only) --------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip() -> None:
+    values = torch.randint(0, 16, (5, 48), generator=torch.Generator().manual_seed(0))
+    packed = pack_awq(values)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 6)
+    assert torch.equal(unpack_awq(packed), values.int())
+    assert torch.equal(pack_awq(torch.full((1, 8), 15)), torch.tensor([[-1]], dtype=torch.int32))  # bit 31 set
+
+
+def test_packing_follows_awq_order_literally() -> None:
+    values = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(1))
+    packed = pack_awq(values)
+    assert all(AWQ_ORDER[AWQ_REVERSE_ORDER[j]] == j for j in range(8))
+    for r in range(3):
+        for c in range(2):
+            word = 0
+            for i in range(8):  # nibble i holds column AWQ_ORDER[i] of the pack
+                word |= int(values[r, 8 * c + AWQ_ORDER[i]]) << (4 * i)
+            assert packed[r, c].item() & 0xFFFFFFFF == word
+            for j in range(8):  # column j sits in nibble AWQ_REVERSE_ORDER[j]
+                assert (word >> (4 * AWQ_REVERSE_ORDER[j])) & 0xF == values[r, 8 * c + j]
+
+
+def test_dequantize_is_q_minus_zero_times_scale_per_group() -> None:
+    gen = torch.Generator().manual_seed(2)
+    k, n, group = 6, 8, 2
+    q, z = torch.randint(0, 16, (k, n), generator=gen), torch.randint(0, 16, (k // group, n), generator=gen)
+    s = torch.rand(k // group, n, generator=gen).half()
+    w = dequantize_awq(pack_awq(q), pack_awq(z), s, group)
+    assert w.dtype == torch.float16
+    for i in range(k):
+        for j in range(n):
+            assert w[i, j].item() == ((q[i, j] - z[i // group, j]).half() * s[i // group, j]).item()
+
+
+# ---- the Triton kernel (interpreter) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 3, 33], ids=["gemv", "few-rows", "gemm"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + group_size)
+    in_features, out_features = 256, 200  # 200: the last column tile is partial
+    qweight, qzeros, scales = awq_weight(in_features, out_features, group_size, gen)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    with nan_poisoned_allocations():
+        out = int4_linear(x, qweight, qzeros, scales, group_size, bias)
+    # float32: against exact dequantization (the reference rounds W to the scales' float16).
+    ref = int4_linear_ref(x, qweight, qzeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int4_linear_takes_batched_and_strided_inputs(triton_interpreter, rows) -> None:
+    gen = torch.Generator().manual_seed(3)
+    qweight, qzeros, scales = awq_weight(64, 64, 32, gen)
+    wide = torch.randn(2, rows, 96, generator=gen)
+    x = wide[..., 16:80]  # [2, rows, 64], rows 96 apart
+    with nan_poisoned_allocations():
+        out = int4_linear(x, qweight, qzeros, scales, 32)
+    assert out.shape == (2, rows, 64)
+    torch.testing.assert_close(out, int4_linear_ref(x, qweight, qzeros, scales.float(), 32), **TOLERANCE[torch.float32])
+
+
+def test_int4_linear_rejects_a_group_size_that_does_not_tile_k(triton_interpreter) -> None:
+    qweight, qzeros, scales = awq_weight(96, 8, 32, torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="group size"):
+        int4_linear(torch.randn(1, 96), qweight, qzeros[:2], scales[:2], 48)
