@@ -3,8 +3,8 @@ projection shapes, at decode row counts (M = 1 and 8).
 
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
 
-Each figure is the median of 50 CUDA-event timings of one call (after warm-up), with L2 flushed
-before each call so that the weights come from HBM as they do in a decode step. Effective GB/s is
+Each figure is the median of 50 CUDA-event timings of one call (after warm-up; the host's launch
+time is kept out by a sleep kernel queued first), with L2 flushed before each call so that the weights come from HBM as they do in a decode step. Effective GB/s is
 the bytes the call must move (the weight with its scales and zeros, x and y) over that time;
 "x bf16" is the speed-up over F.linear.
 """
@@ -36,6 +36,7 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPS)]
     for start, end in events:
         flush.zero_()  # evicts the weights from L2
+        torch.cuda._sleep(400_000)  # the GPU waits while the host queues the call: no launch time is timed
         start.record()
         fn()
         end.record()
