@@ -1,14 +1,17 @@
 """`minillm`: the command line. `serve` runs the OpenAI-compatible server; `generate` and `chat` try a
-model in the terminal."""
+model in the terminal; `quantize` writes an int4 (AWQ-layout) copy of a float checkpoint."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
 from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
 from engine.llm_engine import LLMEngine, Prompt
+from engine.quantize import METHODS, quantize_checkpoint
 from engine.sampling_params import SamplingParams
+
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -45,6 +48,27 @@ def as_prompt(engine: LLMEngine, text: str, raw: bool) -> Prompt:
     return [{"role": "user", "content": text}]
 
 
+def add_quantize_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="a float Hugging Face model directory, or 'default' (the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--method", choices=METHODS, default="awq",
+                        help="awq: activation-aware scales and clipping from a calibration text; rtn: round to nearest")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="input features per scale and zero point (default 128, or 64 or 32 where 128 does not fit the model)")
+    parser.add_argument("--calibration-tokens", type=int, default=2048,
+                        help="tokens of the shipped calibration text AWQ runs through the model (default: all of it, ~1,700)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
+    parser.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def quantize(args: argparse.Namespace) -> int:
+    out = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.calibration_tokens,
+                              args.device)
+    print(f"minillm: wrote {out}; serve it with `minillm serve --model {out}`", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minillm", description="A compact LLM inference engine and server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(p, server=False)
         add_sampling_args(p)
         p.add_argument("--log-level", default="WARNING")
+    quant = sub.add_parser("quantize", help="write an int4 copy of a float checkpoint (AutoAWQ's GEMM layout)",
+                           description="Quantize a float checkpoint's decoder linear layers to 4 bits (AWQ or "
+                                       "round-to-nearest) into a new model directory that minillm (and AutoAWQ "
+                                       "readers) load.")
+    add_quantize_args(quant)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve":
@@ -66,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(server_settings(args))
         return 0
     try:
+        if args.command == "quantize":
+            return quantize(args)
         engine = LLMEngine(engine_config(args))
         params = sampling_params(args)
         if args.command == "generate":

@@ -16,6 +16,7 @@ _ENGINE_HELP = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU)",
     "device": "auto, cpu or cuda[:N]",
     "weights_seed": "seed of the weights of random:<shape> models",
+    "quantization": "fp8: quantize a float checkpoint's linear weights to FP8 (per output channel) as it loads; quantized checkpoints (AWQ, FP8) need no flag",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1GiB on CPU; on GPU what --gpu-memory-utilization leaves)",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and KV blocks (the rest of a profiled largest step goes to KV)",

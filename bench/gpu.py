@@ -47,6 +47,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -64,11 +65,13 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import RANDOM_PREFIX, checkpoint_tensor_shapes, model_config, random_tensors  # noqa: E402
+from engine.loader import RANDOM_PREFIX, checkpoint_tensor_shapes, load_model, model_config, random_tensors  # noqa: E402
 from engine.models.shapes import shape_config  # noqa: E402
+from engine.quantize import awq_quantization_config, default_group_size, export_awq  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
-SYSTEMS = ("minillm", "transformers-dynamic", "transformers-static")
+SYSTEMS = ("minillm", "minillm-fp8", "minillm-int4", "transformers-dynamic", "transformers-static")
 METRICS = ("decode_tok_s", "ttft_ms", "kv_bytes")
 COMPILE_GUESS_S = 45.0  # one torch.compile of a decode step on the GPU machine, for the estimate only
 CHECK_TOKENS = 8  # greedy tokens compared between minillm and transformers (same-weights check)
@@ -76,9 +79,11 @@ CHECK_TOKENS = 8  # greedy tokens compared between minillm and transformers (sam
 PROFILES: dict[str, dict[str, Any]] = {
     "full": dict(models=["llama-3.2-1b", "qwen2.5-0.5b"], batches=[1, 8, 32, 64], hf_batches=[1, 8, 64],
                  new_tokens=256, prompt_tokens=128, ttft_prompts=[128, 2048, 8192], ttft_runs=3,
-                 copy_bytes=2 << 30, copy_reps=20, kv_cache_memory="4GiB"),
+                 copy_bytes=2 << 30, copy_reps=20, kv_cache_memory="4GiB", quantized=["llama-3.2-1b"],
+                 quant_batches=[1, 8]),
     "smoke": dict(models=["tiny-llama3"], batches=[1, 2], hf_batches=[1, 2], new_tokens=8, prompt_tokens=16,
-                  ttft_prompts=[16, 64, 256], ttft_runs=2, copy_bytes=64 << 20, copy_reps=5, kv_cache_memory="64MiB"),
+                  ttft_prompts=[16, 64, 256], ttft_runs=2, copy_bytes=64 << 20, copy_reps=5, kv_cache_memory="64MiB",
+                  quantized=["tiny-llama3"], quant_batches=[1]),
 }
 
 
@@ -420,10 +425,11 @@ def bench_minillm(bench: Bench, shape: str, floor: Floor | None) -> list[int] | 
     return tokens
 
 
-def _engine(args: argparse.Namespace, device: torch.device, model: str) -> LLMEngine:
+def _engine(args: argparse.Namespace, device: torch.device, model: str, quantization: str | None = None) -> LLMEngine:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=str(device), weights_seed=args.seed,
-                                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches)))
+                                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
+                                    quantization=quantization))
     engine.warm_up()
     return engine
 
@@ -449,6 +455,54 @@ def _ttft_rows(bench: Bench, engine: LLMEngine, model: str) -> None:
             log(f"  KV at {length} tokens: {runs[-1][1]} blocks = {value:,} B; theory {theory:,} B; "
                 f"{verdict} theory + one block ({engine.kv_bytes_per_block:,} B)")
             bench.add(Row(model, "minillm", "kv_bytes", 1, length, value, round(theory / value, 5)))
+
+
+def int4_checkpoint(shape: str, seed: int, device: torch.device, out: Path) -> Path:
+    """The random weights of `shape`, round-to-nearest INT4 in AutoAWQ's layout, as a checkpoint
+    directory: what `minillm quantize --method rtn` writes for a real model."""
+    decoder = load_model(RANDOM_PREFIX + shape, torch.float32, device, seed=seed)
+    group_size = default_group_size(decoder.cfg)  # 128 where the shapes allow
+    save_file(export_awq(decoder, group_size), str(out / "model.safetensors"))
+    config = shape_config(shape) | {"quantization_config": awq_quantization_config(group_size), "torch_dtype": "float16"}
+    (out / "config.json").write_text(json.dumps(config))
+    del decoder
+    release(device)
+    return out
+
+
+def weight_floor(engine: LLMEngine, bytes_per_s: float) -> Floor:
+    """The floor of a loaded (quantized) model: every parameter and buffer byte it holds, read once."""
+    model = engine.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                  if t is not model.inv_freq)
+    return Floor(bytes_per_s, weights, engine.model_config.kv_bytes_per_token(model.embed_tokens.weight.element_size()))
+
+
+def bench_quantized(bench: Bench, shape: str, tmp: Path) -> None:
+    """FP8 (quantized as it loads) and INT4 (an RTN checkpoint) decode at the quantized batches."""
+    args, device = bench.args, bench.device
+    model = RANDOM_PREFIX + shape
+    int4_dir = bench.section(f"{shape} int4: write an RTN checkpoint",
+                             lambda: int4_checkpoint(shape, args.seed, device, Path(tmp)))
+    for system, source, quantization in (("minillm-fp8", model, "fp8"), ("minillm-int4", int4_dir, None)):
+        if source is None:
+            continue
+        engine = bench.section(f"{shape} {system}: load and warm up",
+                               lambda: _engine(args, device, str(source), quantization))
+        if engine is None:
+            continue
+        floor = weight_floor(engine, bench.floor_bytes_per_s) if bench.floor_bytes_per_s else None
+        vocab = engine.model_config.vocab_size
+        for batch in args.quant_batches:
+            def decode(batch: int = batch, engine: LLMEngine = engine, floor: Floor | None = floor) -> None:
+                minillm_decode(engine, random_prompts(args.seed + 1000 + batch, batch, args.prompt_tokens, vocab),
+                               min(args.new_tokens, 4), args.decode_cap_s, device)
+                d = minillm_decode(engine, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
+                                   args.new_tokens, args.decode_cap_s, device)
+                bench.add_decode(model, system, d, floor)
+            bench.section(f"{shape} {system}: decode batch {batch}", decode)
+        del engine
+        release(device)
 
 
 def bench_transformers(bench: Bench, shape: str, floor: Floor | None, check_tokens: list[int] | None) -> None:
@@ -523,6 +577,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--quantized", type=names, help="shapes to also run as FP8 and INT4 (default llama-3.2-1b; '' for none)")
+    p.add_argument("--quant-batches", type=ints, help="decode batches of the quantized runs (default 1,8)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, small batches, few tokens: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>.json)")
     args = p.parse_args(argv)
@@ -568,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{shape}: {f.weight_bytes / 1e9:.3f} GB of weights, {f.kv_bytes_per_token:,} KV bytes per token; "
                 f"floor {f.bytes_per_s / f.weight_bytes:,.0f} tok/s at batch 1 (weights only)")
         check_tokens[shape] = bench_minillm(bench, shape, floors[shape])
+    if args.quantized:
+        for shape in args.quantized:
+            with tempfile.TemporaryDirectory() as tmp:
+                bench_quantized(bench, shape, Path(tmp))
     if not args.skip_transformers:
         for shape in args.models:
             bench_transformers(bench, shape, floors[shape], check_tokens[shape])

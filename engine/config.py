@@ -32,6 +32,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available
     weights_seed: int = 0  # seed of the weights of random:<shape> models
+    quantization: str | None = None  # "fp8": quantize a float checkpoint's linear weights to FP8 as it loads
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for KV blocks; None: 1 GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights, activations and KV

@@ -62,7 +62,7 @@ class LLMEngine:
         device, dtype = config.torch_device(), config.torch_dtype()
         is_random = config.model.startswith(RANDOM_PREFIX)
         source: str | Path = config.model if is_random else resolve_model(config.model)
-        self.model = load_model(source, dtype, device, seed=config.weights_seed)
+        self.model = load_model(source, dtype, device, seed=config.weights_seed, quantization=config.quantization)
         self.model_config = self.model.cfg
         self.tokenizer = self._load_tokenizer(None if is_random else Path(source))
         self.eos_token_ids = (

@@ -2,93 +2,111 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.models.config import ModelConfig
-from engine.models.llama import DecoderModel
+from engine.models.config import ModelConfig, QuantConfig
+from engine.models.linear import linear_class
+from engine.models.llama import DecoderLayer, DecoderModel
 from engine.models.shapes import shape_config
+from kernels.fp8_linear import FP8
 from kernels.rope import rope_inv_freq
 
 RANDOM_PREFIX = "random:"
 # Tensors some checkpoints carry that the decoder recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# FP8 checkpoints' static activation and KV-cache scales: minillm keeps activations and KV in the
+# model's dtype, so it needs none of them.
+_FP8_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
+# Formats a float checkpoint can be quantized into as it loads (--quantization).
+LOAD_TIME_QUANTIZATION = ("fp8",)
 
 
 def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of this shape holds, by name."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    """Every tensor a Hugging Face checkpoint of this shape holds, by name (its linear layers in the
+    layout of cfg.quantization: float, AWQ or FP8)."""
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    linear = linear_class(cfg.quantization)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        }
-        if cfg.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        for name, (k, n) in cfg.linear_features().items():
+            bias = cfg.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            shapes |= {f"{p}{name}.{leaf}": shape
+                       for leaf, shape in linear.checkpoint_shapes(k, n, bias, cfg.quantization).items()}
     return shapes
 
 
-def _destination(model: DecoderModel, name: str) -> torch.Tensor | None:
-    """The parameter (or merged-projection slice) a checkpoint tensor goes into."""
-    cfg = model.cfg
-    if name == "model.embed_tokens.weight":
-        return model.embed_tokens.weight
-    if name == "model.norm.weight":
-        return model.norm
-    if name == "lm_head.weight":
-        return None if model.lm_head is None else model.lm_head.weight
-    parts = name.split(".")
-    layer = model.layers[int(parts[2])]
-    kind, leaf = ".".join(parts[3:-1]), parts[-1]
+def _shape_ok(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    if name.endswith(".weight_scale"):  # FP8: one scale per tensor, or per output feature ([N] or [N, 1])
+        return math.prod(shape) in (1, expected[0]) and len(shape) <= 2
+    return shape == expected
+
+
+def layer_projections(cfg: ModelConfig, layer: DecoderLayer) -> dict[str, tuple[nn.Module, int, int]]:
+    """Each checkpoint projection of a layer: (our linear module, first output feature, size)."""
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    merged = {
+    return {
         "self_attn.q_proj": (layer.qkv_proj, 0, q),
         "self_attn.k_proj": (layer.qkv_proj, q, kv),
         "self_attn.v_proj": (layer.qkv_proj, q + kv, kv),
+        "self_attn.o_proj": (layer.o_proj, 0, cfg.hidden_size),
         "mlp.gate_proj": (layer.gate_up_proj, 0, inter),
         "mlp.up_proj": (layer.gate_up_proj, inter, inter),
+        "mlp.down_proj": (layer.down_proj, 0, cfg.hidden_size),
     }
-    if kind in merged:
-        module, start, size = merged[kind]
-        return getattr(module, leaf).narrow(0, start, size)
-    plain = {"self_attn.o_proj": layer.o_proj, "mlp.down_proj": layer.down_proj}
-    if kind in plain:
-        return getattr(plain[kind], leaf)
-    return {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}[kind]
+
+
+def _load_tensor(model: DecoderModel, name: str, tensor: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into its parameter, or into its slice of a merged projection."""
+    if name == "model.embed_tokens.weight":
+        model.embed_tokens.weight.copy_(tensor)
+        return
+    if name == "model.norm.weight":
+        model.norm.copy_(tensor)
+        return
+    if name == "lm_head.weight":
+        model.lm_head.weight.copy_(tensor)
+        return
+    parts = name.split(".")
+    layer = model.layers[int(parts[2])]
+    kind, leaf = ".".join(parts[3:-1]), parts[-1]
+    projections = layer_projections(model.cfg, layer)
+    if kind in projections:
+        module, start, size = projections[kind]
+        module.load(leaf, tensor, start, size)
+        return
+    {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}[kind].copy_(tensor)
 
 
 def load_weights(model: DecoderModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into the model; every expected tensor must come, with its shape."""
     expected = checkpoint_tensor_shapes(model.cfg)
+    fp8_checkpoint = model.cfg.quantization is not None and model.cfg.quantization.method == "fp8"
+    ignored = _IGNORED_SUFFIXES + (_FP8_IGNORED_SUFFIXES if fp8_checkpoint else ())
     seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+            if name.endswith(ignored) or (name == "lm_head.weight" and model.lm_head is None):
                 continue
             if name not in expected:
                 raise ModelLoadError(f"Unexpected tensor {name!r} in checkpoint for {model.cfg.architecture}.")
-            if tuple(tensor.shape) != expected[name]:
+            if not _shape_ok(name, tuple(tensor.shape), expected[name]):
                 raise ModelLoadError(
                     f"Tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}."
                 )
-            _destination(model, name).copy_(tensor)
+            if fp8_checkpoint and name.endswith("_proj.weight") and tensor.dtype != FP8:
+                raise ModelLoadError(f"Tensor {name!r} is {tensor.dtype}; an FP8 checkpoint's are float8_e4m3fn.")
+            _load_tensor(model, name, tensor)
             seen.add(name)
     missing = [n for n in expected if n not in seen]
     if missing:
@@ -128,11 +146,24 @@ def model_config(model: str | Path) -> ModelConfig:
     return ModelConfig.from_dir(Path(model))
 
 
-def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderModel:
-    """A ready DecoderModel (weights in place, eval mode) from a directory or a `random:<shape>` name."""
+def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               quantization: str | None = None) -> DecoderModel:
+    """A ready DecoderModel (weights in place, eval mode) from a directory or a `random:<shape>` name.
+
+    quantization="fp8" quantizes a float checkpoint's linear weights to FP8 (per output feature) as
+    they load; an FP8 checkpoint is served as it is."""
     cfg = model_config(model)
+    quant = cfg.quantization
+    if quantization:  # None or "": the checkpoint's own format
+        if quantization not in LOAD_TIME_QUANTIZATION:
+            raise ModelLoadError(f"quantization must be one of {', '.join(LOAD_TIME_QUANTIZATION)} or unset; "
+                                 f"got {quantization!r}.")
+        if quant is not None and quant.method != quantization:
+            raise ModelLoadError(f"{model} is already quantized ({quant.method}); it cannot be served as "
+                                 f"{quantization}: leave --quantization unset.")
+        quant = QuantConfig(quantization)
     with torch.device("meta"):
-        decoder = DecoderModel(cfg, dtype)
+        decoder = DecoderModel(cfg, dtype, quant)
     decoder = decoder.to_empty(device=device)
     # Buffers are not in checkpoints: meta-device construction left this one empty.
     decoder.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))

@@ -15,6 +15,64 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": {"qkv_bias": True},
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# The decoder's linear layers, the only ones a quantized checkpoint may quantize.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the decoder's linear weights are stored: "awq" (4-bit, AutoAWQ's GEMM layout, groups of
+    `group_size` input features) or "fp8" (float8_e4m3fn with a float32 scale per output feature)."""
+
+    method: str
+    group_size: int = 0  # awq only
+
+
+def _not_decoder(modules: Any, what: str) -> None:
+    """A quantized checkpoint may leave lm_head (or other non-decoder modules) unquantized, not
+    some of the decoder's linear layers: minillm quantizes all of them or none."""
+    named = [m for m in modules or [] if any(n in str(m) for n in LINEAR_NAMES)]
+    if named:
+        raise ModelLoadError(f"quantization_config: {what} {named[:3]} leaves decoder linear layers unquantized; "
+                             "minillm needs all of q/k/v/o/gate/up/down_proj quantized alike.")
+
+
+def parse_quantization(qc: dict[str, Any] | None) -> QuantConfig | None:
+    """A config.json's quantization_config → QuantConfig; ModelLoadError naming what we cannot serve."""
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "awq":
+        bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+            raise ModelLoadError(f"quantization_config: AWQ with bits={bits}, version={version!r}, "
+                                 f"zero_point={qc.get('zero_point', True)} is not supported (only 4-bit GEMM with zero points).")
+        if not isinstance(group, int) or group <= 0:
+            raise ModelLoadError(f"quantization_config: AWQ group_size must be a positive integer, got {group!r}.")
+        _not_decoder(qc.get("modules_to_not_convert"), "modules_to_not_convert")
+        return QuantConfig("awq", group)
+    if method == "fp8":  # AutoFP8 / vLLM style: per-tensor (or per-channel) weight_scale
+        if qc.get("weight_block_size"):
+            raise ModelLoadError(f"quantization_config: block-wise FP8 (weight_block_size={qc['weight_block_size']}) "
+                                 "is not supported; only per-tensor or per-channel scales.")
+        _not_decoder(qc.get("ignored_layers") or qc.get("modules_to_not_convert"), "ignored_layers")
+        return QuantConfig("fp8")
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            raise ModelLoadError("quantization_config: compressed-tensors without config_groups.")
+        for name, group in groups.items():
+            w = group.get("weights") or {}
+            if (w.get("type"), w.get("num_bits"), w.get("strategy")) not in (("float", 8, "tensor"), ("float", 8, "channel")):
+                raise ModelLoadError(
+                    f"quantization_config: compressed-tensors group {name!r} has weights {w.get('type')}/"
+                    f"{w.get('num_bits')} bits/{w.get('strategy')}; minillm serves only FP8 (float, 8 bits) weights "
+                    "with a per-tensor or per-channel scale.")
+        _not_decoder(qc.get("ignore"), "ignore")
+        return QuantConfig("fp8")
+    raise ModelLoadError(f"quantization_config: quant_method {method!r} is not supported "
+                         "(supported: awq, compressed-tensors FP8, fp8).")
 
 
 @dataclass(frozen=True)
@@ -38,6 +96,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None  # how the checkpoint stores the decoder's linear weights
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -66,7 +125,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         qkv_bias = SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(hf.get("attention_bias", False))
-        return cls(
+        cfg = cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -84,7 +143,11 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=parse_quantization(hf.get("quantization_config")),
         )
+        if cfg.quantization is not None and cfg.quantization.method == "awq":
+            cfg.check_awq_group_size(cfg.quantization.group_size)
+        return cfg
 
     @classmethod
     def from_dir(cls, path: Path) -> "ModelConfig":
@@ -101,6 +164,21 @@ class ModelConfig:
                 f"max_model_len={max_model_len}; minillm has no sliding-window attention. "
                 f"Set --max-model-len {self.sliding_window} or lower."
             )
+
+    def linear_features(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each of a decoder layer's linear layers, by checkpoint name."""
+        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+                "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+                "mlp.down_proj": (inter, h)}
+
+    def check_awq_group_size(self, group_size: int) -> None:
+        """AWQ's layout needs whole groups of input features and whole packs of 8 output features."""
+        for name, (k, n) in self.linear_features().items():
+            if k % group_size or n % 8:
+                raise ModelLoadError(
+                    f"AWQ group size {group_size} does not fit {name} ({k} input features, {n} output features): "
+                    f"the input features must be a multiple of the group size and the outputs of 8.")
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,14 +1,16 @@
 """One decoder for the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2.
 
 QKV and gate/up are single merged projections (the loader fills their slices), and every op that
-gets a Triton kernel goes through kernels/.
+gets a Triton kernel goes through kernels/. With a quantization format the seven linear layers of
+each decoder layer hold int4 (AWQ) or FP8 weights; embeddings, norms and lm_head keep the model's dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, QuantConfig
+from engine.models.linear import make_linear
 from kernels.activation import silu_mul
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import rms_norm
@@ -16,7 +18,7 @@ from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -24,11 +26,11 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_split = [q_size, kv_size, kv_size]
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.qkv_proj = make_linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, quant)
+        self.o_proj = make_linear(q_size, cfg.hidden_size, False, dtype, quant)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, quant)
+        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, quant)
 
     def forward(
         self,
@@ -39,8 +41,15 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = hidden.shape[0]
         hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        hidden = self.self_attention(positions, hidden, kv_cache, meta, cos_sin)
+        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(hidden), residual
+
+    def self_attention(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Normalized hidden states in, o_proj's output out (the new keys and values go to kv_cache)."""
+        tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -48,20 +57,24 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        hidden = self.o_proj(attn.reshape(tokens, -1))
-        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        hidden = self.down_proj(silu_mul(self.gate_up_proj(hidden)))
-        return hidden, residual
+        return self.o_proj(attn.reshape(tokens, -1))
+
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderModel(nn.Module):
-    """Token ids in, hidden states out; `compute_logits` turns chosen rows into float32 logits."""
+    """Token ids in, hidden states out; `compute_logits` turns chosen rows into float32 logits.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    `quant` is the format of the linear weights: the checkpoint's (cfg.quantization) by default, or
+    FP8 for a float checkpoint quantized as it loads."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.quant = quant or cfg.quantization
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype

@@ -1,6 +1,9 @@
 """The command line: `minillm generate` streams the same text the engine produces."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from app.cli import main
@@ -28,3 +31,29 @@ def test_bad_flags_give_a_clear_error(default_model_dir, capsys) -> None:
     assert "top_p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
+
+
+def test_quantize_writes_a_model_that_generates(default_model_dir, tmp_path, capsys) -> None:
+    """`minillm quantize` end to end on the embedded model (round-to-nearest: AWQ's search takes a
+    minute on 30 layers; tests/engine/test_quantize.py runs it on a tiny model)."""
+    out = tmp_path / "int4"
+    assert main(["quantize", "--model", str(default_model_dir), "--method", "rtn", "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["group_size"] == 64  # 128 does not divide SmolLM2's 576 features
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    assert main(["generate", "--model", str(out), "--temperature", "0", "--max-tokens", "8", "--kv-cache-memory",
+                 "64MiB", "What is the capital of France?"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_quantize_awq_with_few_calibration_tokens(tiny_model_dir, default_model_dir, tmp_path, capsys) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir("tiny-llama3", vocab_size=49152)[0], src)
+    shutil.copy(default_model_dir / "tokenizer.json", src)
+    shutil.copy(default_model_dir / "tokenizer_config.json", src)
+    assert main(["quantize", "--model", str(src), "--method", "awq", "--group-size", "32", "--calibration-tokens",
+                 "64", "--out", str(tmp_path / "q")]) == 0
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    assert main(["quantize", "--model", str(src), "--group-size", "48", "--out", str(tmp_path / "r")]) == 2
+    assert "group size 48" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""The decoder's linear layers: float, AWQ int4 and FP8 weights behind one forward and one load().
+
+A layer may be several checkpoint projections merged along its output features (QKV, gate/up);
+`load` copies one projection's tensor into the slice [start, start + size) of those features, in
+whatever layout its format keeps them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.models.config import QuantConfig
+from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
+from kernels.int4_linear import int4_linear
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    # Parameters (not buffers) so that parameters() counts every weight byte; integer and FP8
+    # tensors cannot require grad.
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W [out_features, in_features] in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
+        getattr(self, leaf).narrow(0, start, size).copy_(tensor)
+
+    @staticmethod
+    def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None
+                          ) -> dict[str, tuple[int, ...]]:
+        """The tensors (by leaf name) a checkpoint holds for one projection of this format."""
+        return {"weight": (out_features, in_features)} | ({"bias": (out_features,)} if bias else {})
+
+
+class Int4Linear(nn.Module):
+    """4-bit weights in AutoAWQ's GEMM layout (see kernels/int4_linear.py): qweight [K, N/8],
+    qzeros [K/G, N/8], fp16 scales [K/G, N]; the bias stays in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.qweight = _frozen((in_features, out_features // 8), torch.int32)
+        self.qzeros = _frozen((in_features // group_size, out_features // 8), torch.int32)
+        self.scales = _frozen((in_features // group_size, out_features), torch.float16)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+
+    def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
+        if leaf in ("qweight", "qzeros"):  # eight output features per int32: the slice is in packs
+            if tensor.dtype != torch.int32:
+                raise ModelLoadError(f"AWQ {leaf} must be int32, got {tensor.dtype}.")
+            getattr(self, leaf).narrow(1, start // 8, size // 8).copy_(tensor)
+        elif leaf == "scales":
+            self.scales.narrow(1, start, size).copy_(tensor)
+        else:
+            self.bias.narrow(0, start, size).copy_(tensor)
+
+    @staticmethod
+    def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None
+                          ) -> dict[str, tuple[int, ...]]:
+        groups = in_features // quant.group_size
+        shapes = {"qweight": (in_features, out_features // 8), "qzeros": (groups, out_features // 8),
+                  "scales": (groups, out_features)}
+        return shapes | ({"bias": (out_features,)} if bias else {})
+
+
+class Fp8Linear(nn.Module):
+    """float8_e4m3fn weights [N, K] with a float32 scale per output feature. A float checkpoint's
+    weights are quantized per output feature as they load (--quantization fp8); an FP8 checkpoint's
+    per-tensor scale becomes the scale of each of its rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _frozen((out_features, in_features), FP8)
+        self.weight_scale = _frozen((out_features,), torch.float32)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
+        if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads
+            tensor, scale = quantize_fp8(tensor.to(self.weight.device))
+            self.weight_scale.narrow(0, start, size).copy_(scale)
+        elif leaf == "weight_scale":
+            tensor = tensor.float().reshape(-1).expand(size)  # per-tensor: the same for each of its rows
+        getattr(self, leaf).narrow(0, start, size).copy_(tensor)
+
+    @staticmethod
+    def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None
+                          ) -> dict[str, tuple[int, ...]]:
+        # weight_scale may also come as one value per tensor, or [N, 1]; the loader accepts those.
+        return {"weight": (out_features, in_features), "weight_scale": (out_features,)} | (
+            {"bias": (out_features,)} if bias else {})
+
+
+def linear_class(quant: QuantConfig | None) -> type[Linear] | type[Int4Linear] | type[Fp8Linear]:
+    return {None: Linear, "awq": Int4Linear, "fp8": Fp8Linear}[quant.method if quant else None]
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                quant: QuantConfig | None) -> nn.Module:
+    """The linear layer for a format: float when `quant` is None."""
+    if quant is None:
+        return Linear(in_features, out_features, bias, dtype)
+    if quant.method == "awq":
+        return Int4Linear(in_features, out_features, bias, dtype, quant.group_size)
+    return Fp8Linear(in_features, out_features, bias, dtype)

@@ -1,0 +1,343 @@
+"""Weight-only int4 quantization of a float checkpoint into AutoAWQ's GEMM layout (`minillm quantize`).
+
+Every group of G consecutive input features of an output feature gets its own 16-level affine grid:
+scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to its nearest level.
+
+  rtn  that grid on the weights as they are.
+  awq  activation-aware weight quantization (Lin et al., "AWQ", MLSys 2024), as AutoAWQ does it: run
+       a calibration text (engine/data/calibration.txt) through the float model, layer by layer.
+       For each linear layer's input take the mean |activation| per input feature and grid-search
+       alpha in [0, 1) for per-feature scales s = mean|x|^alpha / mean|w|^(1 - alpha) (normalized;
+       no scaling is a candidate too) minimizing the squared error of the block's output computed
+       with Q(W * s) on x / s: the attention block's for QKV, the MLP's for gate/up, their own for
+       o_proj and down_proj. 1/s is folded into the op before (input_layernorm for QKV,
+       post_attention_layernorm for gate/up, up_proj's rows for down_proj, v_proj's rows for o_proj
+       unless grouped-query attention shares v rows between heads, where AutoAWQ skips it too), so
+       the float model computes the same. Then each group's range is clipped (not for q/k) where
+       that lowers the error of the group's partial dot products on the calibration activations.
+       Each layer is searched on the activations the original float model feeds it.
+
+The output directory holds model.safetensors (`<proj>.qweight/.qzeros/.scales` like AutoAWQ; the
+rest in float16), config.json with its quantization_config, and the tokenizer and generation files.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.errors import ModelLoadError
+from engine.loader import layer_projections, load_model
+from engine.model_store import COMPLETE_MARKER, resolve_model
+from engine.models.config import ModelConfig
+from engine.models.llama import DecoderLayer, DecoderModel
+from engine.offline import pack_sequences
+from engine.tokenizer import Tokenizer
+from kernels.int4_linear import pack_awq
+
+log = logging.getLogger("minillm.quantize")
+
+METHODS = ("awq", "rtn")
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration of Independence
+CALIBRATION_SEQ_LEN = 512
+MAX_Q = 15  # 4 bits
+GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+CLIP_STEPS = 10  # each end of a group's range shrunk by 0, 5, ..., 45%
+_WEIGHT_FILES = ("config.json", "model.safetensors.index.json", COMPLETE_MARKER)
+
+
+# ---- the grid --------------------------------------------------------------------------------------
+
+def _levels(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., G] float32 groups → (levels [..., G] in 0..15, scale, zero point) per group, the scale
+    rounded to the float16 it is stored as."""
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo).clamp(min=1e-5) / MAX_Q).half().float()
+    zero = (-torch.round(lo / scale)).clamp(0, MAX_Q)
+    levels = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, MAX_Q)
+    return levels, scale, zero
+
+
+def fake_quantize(groups: torch.Tensor) -> torch.Tensor:
+    """[..., G] float32 groups → the same values quantized to each group's grid and back."""
+    levels, scale, zero = _levels(groups)
+    return (levels - zero[..., None]) * scale[..., None]
+
+
+def quantize_weight(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """A float weight [N out, K in] → AutoAWQ's qweight [K, N/8], qzeros [K/G, N/8], fp16 scales [K/G, N]."""
+    n, k = weight.shape
+    levels, scale, zero = _levels(weight.float().reshape(n, k // group_size, group_size))
+    return {"qweight": pack_awq(levels.reshape(n, k).t().contiguous().cpu()),
+            "qzeros": pack_awq(zero.t().contiguous().cpu()), "scales": scale.t().contiguous().half().cpu()}
+
+
+def _fake_quantize_weight(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = weight.shape
+    return fake_quantize(weight.reshape(n, k // group_size, group_size)).reshape(n, k)
+
+
+def default_group_size(cfg: ModelConfig) -> int:
+    """128 (the usual), else the largest of 64 and 32 that fits every layer (SmolLM2-135M: 64)."""
+    for size in (128, 64, 32):
+        try:
+            cfg.check_awq_group_size(size)
+            return size
+        except ModelLoadError:
+            continue
+    cfg.check_awq_group_size(32)  # raises, naming the layer that does not fit
+    return 32
+
+
+# ---- AWQ -------------------------------------------------------------------------------------------
+
+def _search_scale(x: torch.Tensor, weight: torch.Tensor, group_size: int,
+                  forward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Per-input-feature scales s for `weight` [N, K] (fed x [T, K]) minimizing the squared error of
+    forward(Q(W * s) / s) against forward(W)."""
+    n, k = weight.shape
+    x_mean = x.abs().mean(0)
+    w_rel = weight.abs().reshape(n, k // group_size, group_size)
+    w_mean = (w_rel / (w_rel.amax(-1, keepdim=True) + 1e-6)).reshape(n, k).mean(0)
+    reference = forward(weight)
+
+    def loss(s: torch.Tensor) -> float:
+        return (forward(_fake_quantize_weight(weight * s, group_size) / s) - reference).pow(2).mean().item()
+
+    # No scaling (plain round-to-nearest) is a candidate too, so AWQ never does worse on this loss.
+    best = torch.ones_like(x_mean)
+    best_loss = loss(best)
+    for step in range(GRID):
+        alpha = step / GRID
+        s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        if (current := loss(s)) < best_loss:
+            best_loss, best = current, s
+    return best
+
+
+def _search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (output feature, group) clipping range (lo, hi), each [N, K/G], minimizing the mean
+    squared error of the group's partial dot product with x: E[(x_g . (Q(w_g) - w_g))^2] = d^T C d
+    with C = E[x_g x_g^T], so all calibration tokens count at the cost of one [G, G] matrix per
+    group. Unlike AutoAWQ's symmetric clip, each end shrinks on its own (by up to 45%), which also
+    moves the grid's integer zero point: the closest 16-level grid, not just a narrower one."""
+    n, k = weight.shape
+    ng = k // group_size
+    xg = x.reshape(-1, ng, group_size).transpose(0, 1)  # [groups, T, group]
+    cov = xg.transpose(1, 2) @ xg / x.shape[0]  # [groups, group, group]
+    wg = weight.reshape(n, ng, group_size).transpose(0, 1)  # [groups, N, group]
+    lo0, hi0 = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    best_err = torch.full(lo0.shape, float("inf"), device=weight.device)
+    best_lo, best_hi = lo0.clone(), hi0.clone()
+    shrinks = [1 - step / GRID for step in range(CLIP_STEPS)]
+
+    def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
+        nonlocal best_err, best_lo, best_hi
+        d = fake_quantize(torch.clamp(wg, lo, hi)) - wg
+        err = (torch.bmm(d, cov) * d).sum(-1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
+
+    # Coordinate descent, twice over: the low end given the high, then the high given the low
+    # (as good as all 100 pairs on SmolLM2, at 40 tries instead of 100).
+    for _ in range(2):
+        hi = best_hi.clone()
+        for a in shrinks:
+            consider(torch.where(lo0 < 0, lo0 * a, lo0), hi)
+        lo = best_lo.clone()
+        for b in shrinks:
+            consider(lo, torch.where(hi0 > 0, hi0 * b, hi0))
+    return best_lo[..., 0].t(), best_hi[..., 0].t()
+
+
+def _clip(weight: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, group_size: int) -> None:
+    n, k = weight.shape
+    groups = weight.view(n, k // group_size, group_size)
+    groups.copy_(torch.clamp(groups, lo[..., None], hi[..., None]))
+
+
+@torch.no_grad()
+def _awq_layer(layer: DecoderLayer, cfg: ModelConfig, inputs: dict[str, torch.Tensor], group_size: int,
+               clip: bool, attention: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Search and fold one layer's scales, then clip its weights (all from the original weights).
+    `attention` runs the layer's attention block on the calibration batch."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    qkv, o, gate_up, down = (layer.qkv_proj.weight, layer.o_proj.weight, layer.gate_up_proj.weight,
+                             layer.down_proj.weight)
+    x_qkv, x_o, x_mlp, x_down = inputs["qkv_proj"], inputs["o_proj"], inputs["gate_up_proj"], inputs["down_proj"]
+
+    def linear(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda w: x @ w.t()
+
+    def block(module: torch.nn.Module, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(w: torch.Tensor) -> torch.Tensor:
+            with _weight(module, w):
+                return run(x)
+        return forward
+
+    # As in AutoAWQ, QKV is judged by the attention block's output and gate/up by the MLP's (the
+    # rest of each block in float); o_proj and down_proj by their own.
+    s_qkv = _search_scale(x_qkv, qkv, group_size, block(layer.qkv_proj, attention, x_qkv))
+    s_mlp = _search_scale(x_mlp, gate_up, group_size, block(layer.gate_up_proj, layer.mlp, x_mlp))
+    s_down = _search_scale(x_down, down, group_size, linear(x_down))
+    # Scaling o_proj's inputs means dividing v_proj's rows; with grouped-query attention one v row
+    # feeds several o_proj inputs that would need one scale, so AutoAWQ skips it, and so do we.
+    s_o = _search_scale(x_o, o, group_size, linear(x_o)) if q == kv else None
+
+    layer.input_layernorm.div_(s_qkv)
+    qkv.mul_(s_qkv)
+    layer.post_attention_layernorm.div_(s_mlp)
+    gate_up.mul_(s_mlp)
+    gate_up[inter:].div_(s_down[:, None])
+    down.mul_(s_down)
+    if s_o is not None:
+        qkv[q + kv:].div_(s_o[:, None])
+        if layer.qkv_proj.bias is not None:
+            layer.qkv_proj.bias[q + kv:].div_(s_o)
+        o.mul_(s_o)
+        x_o = x_o / s_o
+    if clip:  # q and k feed attention scores, where clipping hurts (AutoAWQ leaves them too)
+        for weight, x in ((qkv[q + kv:], x_qkv / s_qkv), (o, x_o), (gate_up, x_mlp / s_mlp), (down, x_down / s_down)):
+            _clip(weight, *_search_clip(x, weight, group_size), group_size)
+
+
+@torch.no_grad()
+def awq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int, clip: bool = True) -> None:
+    """Fold AWQ's scales into a float model in place, and clip its weights, layer by layer."""
+    batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
+    # Tiny activations times tiny weights make denormals, which are many times slower on CPUs.
+    torch.set_flush_denormal(True)
+    try:
+        hidden, residual = model.embed_tokens(batch.input_ids), None
+        for i, layer in enumerate(model.layers):
+            start = time.monotonic()
+            inputs: dict[str, torch.Tensor] = {}
+            hooks = [getattr(layer, name).register_forward_pre_hook(
+                         lambda _m, args, name=name: inputs.__setitem__(name, args[0].float()))
+                     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+            try:
+                # The next layer sees this float layer's output, as in AutoAWQ (feeding it the
+                # quantized layer's output instead did worse here: perplexity 10.3 against 10.0).
+                hidden, residual = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta,
+                                         model.cos_sin)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            _awq_layer(layer, model.cfg, inputs, group_size, clip, functools.partial(
+                layer.self_attention, batch.positions, kv_cache=batch.kv_cache[0], meta=batch.meta,
+                cos_sin=model.cos_sin))
+            log.info("AWQ layer %d/%d: %.1f s", i + 1, model.cfg.num_layers, time.monotonic() - start)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def _weight(module: torch.nn.Module, weight: torch.Tensor) -> Iterator[None]:
+    """The module computing with another weight, for a while."""
+    saved = module.weight.data
+    module.weight.data = weight
+    try:
+        yield
+    finally:
+        module.weight.data = saved
+
+
+def calibration_sequences(tokenizer: Tokenizer, max_tokens: int, seq_len: int = CALIBRATION_SEQ_LEN) -> list[list[int]]:
+    """The shipped calibration text's first `max_tokens` tokens, in sequences of up to seq_len."""
+    tokens = tokenizer.encode(CALIBRATION_TEXT.read_text())[:max_tokens]
+    sequences = [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len)]
+    return [s for s in sequences if len(s) > 1]
+
+
+# ---- the checkpoint --------------------------------------------------------------------------------
+
+def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names: decoder linear layers packed in AutoAWQ's GEMM
+    layout, everything else in float16."""
+    def half(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(torch.float16).cpu().contiguous()
+
+    cfg = model.cfg
+    out = {"model.embed_tokens.weight": half(model.embed_tokens.weight), "model.norm.weight": half(model.norm)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = half(model.lm_head.weight)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = half(layer.input_layernorm)
+        out[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm)
+        for name, (module, start, size) in layer_projections(cfg, layer).items():
+            packed = quantize_weight(module.weight[start:start + size], group_size)
+            out |= {f"{p}{name}.{leaf}": t for leaf, t in packed.items()}
+            if module.bias is not None:
+                out[f"{p}{name}.bias"] = half(module.bias[start:start + size])
+    return out
+
+
+def awq_quantization_config(group_size: int) -> dict:
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_size: int | None = None,
+                        calibration_tokens: int = 2048, device: str = "auto", clip: bool = True) -> Path:
+    """Quantize a float checkpoint directory ("default": the embedded model) into `out`, which must
+    not exist or be empty. Returns `out`."""
+    if method not in METHODS:
+        raise ModelLoadError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+    src = resolve_model(model)
+    cfg = ModelConfig.from_dir(src)
+    if cfg.quantization is not None:
+        raise ModelLoadError(f"{src} is already quantized ({cfg.quantization.method}); give a float checkpoint.")
+    if group_size is None:
+        group_size = default_group_size(cfg)
+    else:
+        cfg.check_awq_group_size(group_size)
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelLoadError(f"{out} exists and is not an empty directory.")
+    torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    start = time.monotonic()
+    decoder = load_model(src, torch.float32, torch_device)
+    if method == "awq":
+        if not Tokenizer.present(src):
+            raise ModelLoadError(f"AWQ tokenizes its calibration text with the model's tokenizer; {src} has none.")
+        sequences = calibration_sequences(Tokenizer.from_dir(src), calibration_tokens)
+        if not sequences:
+            raise ModelLoadError(f"calibration_tokens must be at least 2; got {calibration_tokens}.")
+        awq_calibrate(decoder, sequences, group_size, clip)
+    tensors = export_awq(decoder, group_size)
+    hf_config = json.loads((src / "config.json").read_text())
+    hf_config["quantization_config"] = awq_quantization_config(group_size)
+    hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "float16"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        for path in src.iterdir():  # tokenizer, chat template, generation config
+            if path.is_file() and path.suffix != ".safetensors" and path.name not in _WEIGHT_FILES:
+                shutil.copy2(path, tmp / path.name)
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("quantized %s (%s, group size %d) into %s in %.1f s", src, method, group_size, out,
+             time.monotonic() - start)
+    return out

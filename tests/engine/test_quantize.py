@@ -1,0 +1,257 @@
+"""Quantized checkpoints: AWQ int4 (written by `minillm quantize`, or built by hand), FP8 at load
+time and FP8 checkpoints, and clear errors for quantization configs we cannot serve."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.llm_engine import LLMEngine
+from engine.loader import layer_projections, load_model
+from engine.models.config import ModelConfig, QuantConfig, parse_quantization
+from engine.models.linear import Fp8Linear, Int4Linear
+from engine.offline import prompt_logits
+from engine.quantize import awq_calibrate, quantize_checkpoint
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from kernels.fp8_linear import FP8, FP8_MAX
+from kernels.int4_linear import dequantize_awq, pack_awq
+
+CPU = torch.device("cpu")
+PROMPT = list(range(5, 45))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tiny_model_dir, default_model_dir, tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer: AWQ tokenizes its calibration text."""
+    path, _ = tiny_model_dir("tiny-llama3", vocab_size=49152)
+    dst = tmp_path_factory.mktemp("tiny-tok")
+    shutil.copytree(path, dst, dirs_exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).is_file():
+            shutil.copy(default_model_dir / name, dst / name)
+    return dst
+
+
+def _greedy(model: str | Path, n: int = 8, **config) -> list[int]:
+    engine = LLMEngine(EngineConfig(model=str(model), kv_cache_memory="16MiB", **config))
+    [out] = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return out.token_ids
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of positions whose top-1 token two logits tensors agree on."""
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_quantized_directory_loads_back_and_generates(tiny_with_tokenizer, tmp_path, method) -> None:
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", method, group_size=32, calibration_tokens=256)
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+                  "modules_to_not_convert": None}
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.1.self_attn.k_proj.qweight"].shape == (64, 32 // 8)
+    assert tensors["model.layers.1.mlp.down_proj.scales"].shape == (128 // 32, 64)
+    assert tensors["model.layers.1.mlp.down_proj.scales"].dtype == torch.float16
+    import transformers  # its config parser takes the directory for an AutoAWQ checkpoint
+
+    assert transformers.AutoConfig.from_pretrained(out).quantization_config["quant_method"] == "awq"
+    quantized = load_model(out, torch.float32, CPU)
+    assert isinstance(quantized.layers[0].qkv_proj, Int4Linear)
+    assert len(_greedy(out)) == 8
+    # Random tiny weights amplify any error (a real model's is far smaller): a sanity bound only.
+    reference = prompt_logits(load_model(tiny_with_tokenizer, torch.float32, CPU), PROMPT)
+    assert _rel(prompt_logits(quantized, PROMPT), reference) < 0.6
+
+
+def test_rtn_weights_are_within_half_a_step(tiny_with_tokenizer, tmp_path) -> None:
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", "rtn", group_size=32)
+    original, quantized = load_model(tiny_with_tokenizer, torch.float32, CPU), load_model(out, torch.float32, CPU)
+    for a, b in zip(original.layers, quantized.layers):
+        for linear in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            w, q = getattr(a, linear).weight.t(), getattr(b, linear)
+            step = q.scales.float().repeat_interleave(32, dim=0)
+            err = (dequantize_awq(q.qweight, q.qzeros, q.scales, 32).float() - w).abs()
+            assert (err <= 0.5 * step + 2e-3 * w.abs() + 1e-6).all(), linear
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
+def test_awq_scales_fold_into_the_float_model_exactly(tiny_model_dir, shape) -> None:
+    # All heads their own KV head, so v_proj/o_proj get scales too (and Qwen2's v bias).
+    path, _ = tiny_model_dir(shape, num_key_value_heads=4)
+    model = load_model(path, torch.float32, CPU)
+    before = prompt_logits(model, PROMPT)
+    norms = model.layers[0].input_layernorm.clone()
+    awq_calibrate(model, [list(range(3, 100)), list(range(200, 260))], group_size=32, clip=False)
+    assert not torch.equal(norms, model.layers[0].input_layernorm)  # something was scaled
+    torch.testing.assert_close(prompt_logits(model, PROMPT), before, rtol=1e-4, atol=1e-4)
+
+
+def _float_and_awq_by_hand(src: Path, tmp_path: Path, group_size: int = 32) -> tuple[Path, Path]:
+    """From a float checkpoint's shapes: known 4-bit ints, zeros and scales per projection, saved both
+    AWQ-packed and as the float weights they stand for."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = load_file(src / "model.safetensors")
+    floats, packed = dict(tensors), {}
+    for name, t in tensors.items():
+        if not name.endswith("_proj.weight"):
+            packed[name] = t
+            continue
+        n, k = t.shape
+        q = torch.randint(0, 16, (k, n), generator=gen)
+        z = torch.randint(0, 16, (k // group_size, n), generator=gen)
+        s = (torch.rand(k // group_size, n, generator=gen) * 0.02 + 0.01).half()
+        base = name.removesuffix(".weight")
+        packed |= {base + ".qweight": pack_awq(q), base + ".qzeros": pack_awq(z), base + ".scales": s}
+        floats[name] = dequantize_awq(pack_awq(q), pack_awq(z), s, group_size).float().t().contiguous()
+    float_dir, awq_dir = tmp_path / "float", tmp_path / "awq"
+    for path, weights in ((float_dir, floats), (awq_dir, packed)):
+        path.mkdir()
+        save_file(weights, path / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    (float_dir / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                     "zero_point": True, "version": "gemm"}
+    (awq_dir / "config.json").write_text(json.dumps(config))
+    return float_dir, awq_dir
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
+def test_hand_built_awq_checkpoint_fills_the_merged_slices(tiny_model_dir, tmp_path, shape) -> None:
+    float_dir, awq_dir = _float_and_awq_by_hand(tiny_model_dir(shape)[0], tmp_path)
+    floats, awq = load_model(float_dir, torch.float32, CPU), load_model(awq_dir, torch.float32, CPU)
+    for a, b in zip(floats.layers, awq.layers):
+        for name, (module, start, size) in layer_projections(floats.cfg, a).items():
+            q = layer_projections(awq.cfg, b)[name][0]
+            deq = dequantize_awq(q.qweight, q.qzeros, q.scales, 32).float().t()
+            torch.testing.assert_close(deq[start:start + size], module.weight[start:start + size], msg=name)
+            if module.bias is not None:
+                torch.testing.assert_close(q.bias[start:start + size], module.bias[start:start + size])
+    torch.testing.assert_close(prompt_logits(awq, PROMPT), prompt_logits(floats, PROMPT), rtol=1e-4, atol=1e-4)
+    assert _greedy(awq_dir) == _greedy(float_dir)
+
+
+def test_fp8_at_load_time_stays_close_to_float32(default_model_dir, tiny_model_dir) -> None:
+    fp8 = load_model(default_model_dir, torch.float32, CPU, quantization="fp8")
+    assert isinstance(fp8.layers[0].gate_up_proj, Fp8Linear) and fp8.layers[0].qkv_proj.weight.dtype == FP8
+    assert fp8.embed_tokens.weight.dtype == torch.float32 and fp8.norm.dtype == torch.float32
+    text = (Path(__file__).parents[2] / "bench" / "data" / "eval.txt").read_text()
+    tokens = Tokenizer.from_dir(default_model_dir).encode(text)[:256]
+    reference, logits = prompt_logits(load_model(default_model_dir, torch.float32, CPU), tokens), prompt_logits(fp8, tokens)
+    assert _rel(logits, reference) < 0.12  # bf16 is at 0.015, FP8's 3-bit mantissa at about 0.07
+    assert _agreement(logits, reference) >= 0.8
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), quantization="fp8", kv_cache_memory="64MiB"))
+    [out] = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
+    assert "Paris" in out.text
+    # Merged QKV with a bias, and random shapes, quantize as they load too.
+    path, _ = tiny_model_dir("tiny-qwen2")
+    assert _rel(prompt_logits(load_model(path, torch.float32, CPU, quantization="fp8"), PROMPT),
+                prompt_logits(load_model(path, torch.float32, CPU), PROMPT)) < 0.2
+    assert len(_greedy("random:tiny-llama3", quantization="fp8")) == 8
+
+
+@pytest.mark.parametrize("scale_shape", ["tensor", "tensor-0d", "channel"])
+def test_fp8_checkpoint_loads(tiny_model_dir, tmp_path, scale_shape) -> None:
+    """compressed-tensors style: float8 weights, a weight_scale per tensor (q, k and v each their own,
+    so the merged QKV gets three) or per channel, and static input scales we do not need."""
+    src = tiny_model_dir("tiny-llama3")[0]
+    tensors, floats, fp8 = load_file(src / "model.safetensors"), {}, {}
+    for name, t in tensors.items():
+        if not name.endswith("_proj.weight"):
+            floats[name] = fp8[name] = t
+            continue
+        amax = t.abs().amax(dim=1, keepdim=True) if scale_shape == "channel" else t.abs().max()
+        scale = (amax / FP8_MAX).float()
+        q = (t / scale).to(FP8)
+        floats[name] = q.float() * scale
+        fp8[name] = q
+        base = name.removesuffix(".weight")
+        fp8[base + ".weight_scale"] = scale if scale_shape == "channel" else (
+            scale.reshape(1) if scale_shape == "tensor" else scale.reshape(()))
+        fp8[base + ".input_scale"] = torch.ones(1)
+    config = json.loads((src / "config.json").read_text())
+    strategy = "channel" if scale_shape == "channel" else "tensor"
+    (tmp_path / "f").mkdir()
+    save_file(floats, tmp_path / "f" / "model.safetensors")
+    (tmp_path / "f" / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"type": "float", "num_bits": 8, "strategy": strategy,
+                                                  "symmetric": True, "dynamic": False},
+                                      "input_activations": {"type": "float", "num_bits": 8, "strategy": "tensor",
+                                                            "dynamic": False}}}}
+    (tmp_path / "q").mkdir()
+    save_file(fp8, tmp_path / "q" / "model.safetensors")
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path / "q", torch.float32, CPU)
+    assert model.quant == QuantConfig("fp8")
+    torch.testing.assert_close(prompt_logits(model, PROMPT), prompt_logits(load_model(tmp_path / "f", torch.float32, CPU),
+                                                                           PROMPT), rtol=1e-4, atol=1e-4)
+    # The same checkpoint served with --quantization fp8 is served as it is.
+    assert load_model(tmp_path / "q", torch.float32, CPU, quantization="fp8").quant == QuantConfig("fp8")
+
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({**AWQ, "bits": 8}, "AWQ with bits=8"),
+    ({**AWQ, "version": "gemv"}, "version='gemv'"),
+    ({**AWQ, "zero_point": False}, "zero_point=False"),
+    ({**AWQ, "group_size": -1}, "group_size must be a positive integer"),
+    ({**AWQ, "group_size": 48}, "group size 48 does not fit"),
+    ({**AWQ, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}, "leaves decoder linear layers unquantized"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
+     "minillm serves only FP8"),
+    ({"quant_method": "compressed-tensors"}, "without config_groups"),
+])
+def test_bad_quantization_configs_are_named(tiny_model_dir, qc, message) -> None:
+    config = json.loads((tiny_model_dir("tiny-llama3")[0] / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf({**config, "quantization_config": qc})
+
+
+def test_quantization_flag_is_checked(tiny_model_dir, tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="quantization must be one of fp8"):
+        load_model("random:tiny-llama3", torch.float32, CPU, quantization="int8")
+    _, awq_dir = _float_and_awq_by_hand(tiny_model_dir("tiny-llama3")[0], tmp_path)
+    with pytest.raises(ModelLoadError, match=r"already quantized \(awq\)"):
+        LLMEngine(EngineConfig(model=str(awq_dir), quantization="fp8", kv_cache_memory="16MiB"))
+    # A checkpoint that says AWQ but holds float weights names the first tensor it did not expect.
+    shutil.copy(tiny_model_dir("tiny-llama3")[0] / "model.safetensors", awq_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"Unexpected tensor .*_proj\.weight"):
+        load_model(awq_dir, torch.float32, CPU)
+
+
+def test_quantize_refuses_what_it_cannot_do(tiny_model_dir, tiny_with_tokenizer, tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="group size 48 does not fit"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "a", "rtn", group_size=48)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ModelLoadError, match="not an empty directory"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "full", "rtn")
+    with pytest.raises(ModelLoadError, match="has none"):  # AWQ needs a tokenizer for its calibration text
+        quantize_checkpoint(str(tiny_model_dir("tiny-llama3")[0]), tmp_path / "b", "awq")
+    _, awq_dir = _float_and_awq_by_hand(tiny_model_dir("tiny-llama3")[0], tmp_path)
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        quantize_checkpoint(str(awq_dir), tmp_path / "c", "rtn")
+    assert parse_quantization(None) is None
