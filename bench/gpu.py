@@ -43,10 +43,8 @@ import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
@@ -63,6 +61,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import RANDOM_PREFIX, checkpoint_tensor_shapes, load_model, model_config, random_tensors  # noqa: E402
@@ -321,17 +320,6 @@ def hf_static_decode(model: transformers.PreTrainedModel, prompts: list[list[int
 
 
 # ---- the run ------------------------------------------------------------------------------------
-
-
-def git_commit() -> str:
-    if os.environ.get("MINILLM_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
-        return os.environ["MINILLM_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def slug(name: str) -> str:

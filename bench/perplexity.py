@@ -21,8 +21,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import git_commit  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model_store import DEFAULT_DIR_NAME, resolve_model  # noqa: E402
 from engine.models.llama import DecoderModel  # noqa: E402
@@ -47,17 +46,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def git_commit() -> str:
-    if os.environ.get("MINILLM_COMMIT"):
-        return os.environ["MINILLM_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
