@@ -17,13 +17,13 @@ from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadErro
 from engine.loader import RANDOM_PREFIX, load_model
 from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
+from engine.offline import pack_sequences
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("minillm.engine")
 
@@ -119,26 +119,17 @@ class LLMEngine:
     def _profiled_kv_budget(self, device: torch.device) -> int:
         """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
         of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
-        cfg, bs = self.model_config, self.config.block_size
         tokens = self.config.batched_tokens()
-        blocks = -(-tokens // bs)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=self.model.embed_tokens.weight.dtype, device=device)
-        self.model.init_rope(tokens)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=device), query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None], query_lens_cpu=[tokens],
-            seq_lens_cpu=[tokens])
-        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=device),
-                            torch.arange(tokens, device=device), kv, meta)
+        batch = pack_sequences(self.model, [[0] * tokens], block_size=self.config.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
         rows = min(self.config.max_num_seqs, tokens)
         self.model.compute_logits(hidden[-rows:])
         torch.cuda.synchronize(device)
+        kv = batch.kv_cache
         peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
-        del kv, hidden
+        del batch, kv, hidden
         torch.cuda.empty_cache()
         total = torch.cuda.mem_get_info(device)[1]
         budget = int(total * self.config.gpu_memory_utilization) - peak

@@ -17,7 +17,6 @@ import torch
 from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import resolve_placeholders
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import num_splits_for
 from kernels.dispatch import to_device
@@ -25,6 +24,11 @@ from kernels.dispatch import to_device
 log = logging.getLogger("minillm.engine")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """Replace placeholders by the previous step's sampled ids (a device op: no host sync)."""
+    return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
 
 
 class _DecodeGraph:

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -20,11 +18,6 @@ _seq_ids = itertools.count()
 def placeholder(row: int) -> int:
     """The token id standing for row `row` of the step still being sampled on the device."""
     return -1 - row
-
-
-def resolve_placeholders(token_ids: "torch.Tensor", prev: "torch.Tensor") -> "torch.Tensor":
-    """Replace placeholders by the previous step's sampled ids (a device op: no host sync)."""
-    return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
 
 
 class SequenceStatus(enum.Enum):
