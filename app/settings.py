@@ -24,6 +24,7 @@ _ENGINE_HELP = {
     "max_num_batched_tokens": "most tokens computed in one step; longer prompts are prefilled in chunks (default: 8192 on a GPU of 70 GiB or more, else 2048)",
     "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
+    "tensor_parallel_size": "GPUs each layer is split over, one process each (on CPU: processes, with gloo)",
 }
 
 

@@ -64,6 +64,7 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def is_alive(self) -> bool:

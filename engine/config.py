@@ -41,6 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's, capped by what the KV budget holds
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps on CUDA (off: every step eager, for debugging)
+    tensor_parallel_size: int = 1  # devices (processes) each layer is split over: GPUs, or CPU ranks with gloo
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

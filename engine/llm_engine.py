@@ -9,21 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig
+from engine.distributed import close_tensor_parallel
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
-from engine.loader import RANDOM_PREFIX, load_model
-from engine.model_runner import ModelRunner
 from engine.model_store import resolve_model
-from engine.offline import pack_sequences
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.worker import build_runner, context_length, kv_cache_blocks, load_shard, model_source, start_tensor_parallel
 
 log = logging.getLogger("minillm.engine")
 
@@ -59,38 +57,45 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        device, dtype = config.torch_device(), config.torch_dtype()
-        is_random = config.model.startswith(RANDOM_PREFIX)
-        source: str | Path = config.model if is_random else resolve_model(config.model)
-        self.model = load_model(source, dtype, device, seed=config.weights_seed, quantization=config.quantization)
-        self.model_config = self.model.cfg
-        self.tokenizer = self._load_tokenizer(None if is_random else Path(source))
-        self.eos_token_ids = (
-            self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
-        )
-        # Ids past the tokenizer's (a padded vocabulary) are never sampled.
-        self.sample_vocab_size = len(self.tokenizer.hf) if self.tokenizer else self.model_config.vocab_size
-        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token(dtype.itemsize)
-        num_blocks = self._kv_budget(device) // bytes_per_block
-        if num_blocks < 2:
-            raise InvalidRequestError(f"The KV budget holds {num_blocks} blocks; give --kv-cache-memory more.")
-        # No sequence may need more blocks than the pool has, or it could never run.
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings, num_blocks * config.block_size
-        )
-        self.model_config.check_context(self.max_model_len)
-        self.kv_bytes_per_block = bytes_per_block
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.cuda_graphs, self.sample_vocab_size)
+        # Under tensor parallelism this process is rank 0; the other ranks start now and build the
+        # same shard, KV cache and runner beside it (engine/worker.py).
+        self.tp, self.workers, device = start_tensor_parallel(config)
+        try:
+            self.model = load_shard(config, self.tp, device)
+            self.model_config = self.model.cfg
+            source = model_source(config)
+            self.tokenizer = self._load_tokenizer(None if isinstance(source, str) else source)
+            self.eos_token_ids = (
+                self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
+            )
+            # Ids past the tokenizer's (a padded vocabulary) are never sampled.
+            self.sample_vocab_size = len(self.tokenizer.hf) if self.tokenizer else self.model_config.vocab_size
+            num_blocks = kv_cache_blocks(config, self.model, self.tp)
+            self.max_model_len = context_length(config, self.model, num_blocks)
+            self.model_config.check_context(self.max_model_len)
+            self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
+            self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
+                                       self.workers.send if self.workers else None)
+        except BaseException:
+            self.close()
+            raise
         self.requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); max_model_len %d",
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s); max_model_len %d",
                  num_blocks, config.block_size, num_blocks * config.block_size,
-                 num_blocks * bytes_per_block / 2**20, self.max_model_len)
+                 num_blocks * self.kv_bytes_per_block / 2**20, f" on each of {self.tp.size} ranks" if self.tp.size > 1 else "",
+                 self.max_model_len)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            close_tensor_parallel(self.tp)
 
     def _load_tokenizer(self, model_dir: Path | None) -> Tokenizer | None:
         """--tokenizer's directory, else the model's; a random-weight model may have none."""
@@ -107,35 +112,6 @@ class LLMEngine:
             raise ModelLoadError(f"The tokenizer in {path} has {len(tokenizer.hf)} tokens, more than the model's "
                                  f"vocabulary of {self.model_config.vocab_size}.")
         return tokenizer
-
-    def _kv_budget(self, device: torch.device) -> int:
-        if self.config.kv_cache_memory is not None:
-            return parse_bytes(self.config.kv_cache_memory)
-        if device.type == "cuda":
-            return self._profiled_kv_budget(device)
-        return 1 << 30
-
-    @torch.inference_mode()
-    def _profiled_kv_budget(self, device: torch.device) -> int:
-        """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
-        of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
-        tokens = self.config.batched_tokens()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        batch = pack_sequences(self.model, [[0] * tokens], block_size=self.config.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
-        rows = min(self.config.max_num_seqs, tokens)
-        self.model.compute_logits(hidden[-rows:])
-        torch.cuda.synchronize(device)
-        kv = batch.kv_cache
-        peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
-        del batch, kv, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info(device)[1]
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        log.info("GPU memory: %.1f GiB total, %.1f GiB for weights and a largest step, %.1f GiB for KV (utilization %.2f)",
-                 total / 2**30, peak / 2**30, budget / 2**30, self.config.gpu_memory_utilization)
-        return budget
 
     def warm_up(self) -> None:
         """Run one tiny request through every stage (first-call costs land here, not on a client),

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import linear_class
@@ -53,8 +54,9 @@ def _shape_ok(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> b
 
 
 def layer_projections(cfg: ModelConfig, layer: DecoderLayer) -> dict[str, tuple[nn.Module, int, int]]:
-    """Each checkpoint projection of a layer: (our linear module, first output feature, size)."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    """Each checkpoint projection of a layer: (our linear module, first output feature, size), in
+    the layer's own features (this rank's shard under tensor parallelism)."""
+    q, kv, inter = layer.num_heads * cfg.head_dim, layer.num_kv_heads * cfg.head_dim, layer.intermediate_size
     return {
         "self_attn.q_proj": (layer.qkv_proj, 0, q),
         "self_attn.k_proj": (layer.qkv_proj, q, kv),
@@ -66,16 +68,24 @@ def layer_projections(cfg: ModelConfig, layer: DecoderLayer) -> dict[str, tuple[
     }
 
 
+def _load_vocab_rows(weight: torch.Tensor, tensor: torch.Tensor, first: int) -> None:
+    """This rank's rows of the embedding or lm_head; rows past the vocabulary (padding) are zero."""
+    count = max(0, min(weight.shape[0], tensor.shape[0] - first))
+    weight[:count].copy_(tensor[first:first + count])
+    weight[count:].zero_()
+
+
 def _load_tensor(model: DecoderModel, name: str, tensor: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into its parameter, or into its slice of a merged projection."""
+    """Copy (this rank's shard of) a checkpoint tensor into its parameter, or into its slice of a
+    merged projection."""
     if name == "model.embed_tokens.weight":
-        model.embed_tokens.weight.copy_(tensor)
+        _load_vocab_rows(model.embed_tokens.weight, tensor, model.shard.vocab_rows[0])
         return
     if name == "model.norm.weight":
         model.norm.copy_(tensor)
         return
     if name == "lm_head.weight":
-        model.lm_head.weight.copy_(tensor)
+        _load_vocab_rows(model.lm_head.weight, tensor, model.shard.vocab_rows[0])
         return
     parts = name.split(".")
     layer = model.layers[int(parts[2])]
@@ -83,7 +93,7 @@ def _load_tensor(model: DecoderModel, name: str, tensor: torch.Tensor) -> None:
     projections = layer_projections(model.cfg, layer)
     if kind in projections:
         module, start, size = projections[kind]
-        module.load(leaf, tensor, start, size)
+        module.load(leaf, module.shard(leaf, tensor, *model.shard.projection(kind, model.cfg)), start, size)
         return
     {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}[kind].copy_(tensor)
 
@@ -147,11 +157,12 @@ def model_config(model: str | Path) -> ModelConfig:
 
 
 def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed: int = 0,
-               quantization: str | None = None) -> DecoderModel:
+               quantization: str | None = None, tp: TensorParallel = SINGLE) -> DecoderModel:
     """A ready DecoderModel (weights in place, eval mode) from a directory or a `random:<shape>` name.
 
     quantization="fp8" quantizes a float checkpoint's linear weights to FP8 (per output feature) as
-    they load; an FP8 checkpoint is served as it is."""
+    they load; an FP8 checkpoint is served as it is. Under tensor parallelism each rank reads every
+    tensor and keeps its shard (random weights are the same on every rank: the same seeded draws)."""
     cfg = model_config(model)
     quant = cfg.quantization
     if quantization:  # None or "": the checkpoint's own format
@@ -163,7 +174,7 @@ def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed
                                  f"{quantization}: leave --quantization unset.")
         quant = QuantConfig(quantization)
     with torch.device("meta"):
-        decoder = DecoderModel(cfg, dtype, quant)
+        decoder = DecoderModel(cfg, dtype, quant, tp)
     decoder = decoder.to_empty(device=device)
     # Buffers are not in checkpoints: meta-device construction left this one empty.
     decoder.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))

@@ -11,6 +11,8 @@ step is still sampling: they are taken from that step's device output, inside th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +49,7 @@ class _DecodeGraph:
         self.meta = AttentionMetadata(
             slot_mapping=self.slots, query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
             seq_lens=self.seq_lens, block_tables=self.tables, query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch,
-            num_splits=num_splits_for(batch, runner.model.cfg.num_kv_heads),
+            num_splits=num_splits_for(batch, runner.model.num_kv_heads),
         )
         model, kv = runner.model, runner.kv_cache
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
@@ -64,15 +66,15 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = forward()
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]], scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
+    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
-        n, pad = len(input_ids), self.batch - len(input_ids)
+        n, pad = len(step.input_ids), self.batch - len(step.input_ids)
+        tables = step.block_tables
         width = max(len(t) for t in tables)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
-                             seq_lens + [1] * pad], dtype=torch.int64, pin_memory=True)
+        host = torch.tensor([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
+                             step.seq_lens + [1] * pad], dtype=torch.int64, pin_memory=True)
         self.inputs.copy_(host, non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
@@ -83,18 +85,38 @@ class _DecodeGraph:
         return self.logits[:n]
 
 
+@dataclass
+class StepInputs:
+    """One step's batch as plain host data. Rank 0 makes it from the scheduler's output; under
+    tensor parallelism it is all the other ranks receive, and they run the same forward from it."""
+
+    input_ids: list[int]  # negative: a placeholder for a token the previous step is still sampling
+    positions: list[int]
+    slots: list[int]  # KV cache slot of each token
+    query_lens: list[int]  # per sequence: tokens computed in this step
+    seq_lens: list[int]  # per sequence: tokens in its KV cache after this step
+    block_tables: list[list[int]]
+    block_copies: list[tuple[int, int]]  # (src, dst) blocks to copy first (copy-on-write)
+    logit_rows: list[int]  # rows whose logits are sampled, in the order of the samples
+    graph_batch: int | None  # the batch size of the captured graph that runs this step; None: eager
+    has_prev: bool  # the input ids hold placeholders for the previous step's sampled ids
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None) -> None:
+                 max_num_seqs: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None,
+                 publish: Callable[[StepInputs], None] | None = None) -> None:
+        """`publish`, on rank 0 under tensor parallelism, sends each step to the other ranks."""
         cfg = model.cfg
         self.model = model
+        self.publish = publish
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         dtype = model.embed_tokens.weight.dtype
         # One pool per layer, K and V side by side: [layers, 2, blocks, block_size, kv_heads, head_dim].
         # One block more than the block manager knows: a scratch block for graph padding rows.
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+            cfg.num_layers, 2, num_blocks + 1, block_size, model.num_kv_heads, cfg.head_dim, dtype=dtype,
             device=self.device,
         )
         self.scratch_block = num_blocks
@@ -105,6 +127,7 @@ class ModelRunner:
         self.graphs: dict[int, _DecodeGraph] = {}
         # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
+        self._followed: torch.Tensor | None = None  # on ranks other than 0: rank 0's last sampled ids
         if use_cuda_graphs and self.device.type == "cuda":
             self._capture(max_num_seqs)
 
@@ -123,13 +146,30 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> SamplerOutput | None:
         """Launch the scheduled tokens' forward; sample where a sequence reached its end. None if
         nothing samples. `prev` is the step still in flight, whose sampled ids fill placeholders."""
-        for src, dst in out.block_copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        step = self.prepare(out, prev)
+        if self.publish is not None:
+            self.publish(step)
+        logits = self.forward(step, prev.token_ids if prev is not None else None)
+        if logits is None:
+            return None
+        sampled = self.sampler(logits, [self._sample_row(s) for s in out.scheduled if s.samples])
+        self.model.tp.broadcast(sampled.token_ids)  # the other ranks' next placeholders
+        sampled.start_copy()
+        return sampled
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """Ranks other than 0: run rank 0's step on this rank's shard, then take its sampled ids."""
+        logits = self.forward(step, self._followed if step.has_prev else None)
+        if logits is not None:
+            self._followed = self.model.tp.broadcast(torch.empty(len(logits), dtype=torch.int64, device=self.device))
+
+    def prepare(self, out: SchedulerOutput, prev: SamplerOutput | None) -> StepInputs:
+        """The step's batch, from the scheduled sequences (host work only)."""
         computing = [s for s in out.scheduled if s.num_new_tokens]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
         last_row: dict[int, int] = {}  # seq_id -> row of its last computed token
         bs = self.block_size
         for s in computing:
@@ -143,51 +183,57 @@ class ModelRunner:
                 input_ids += seq.token_ids[start:end]
                 positions += range(start, end)
                 slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(len(input_ids))
             last_row[seq.seq_id] = len(input_ids) - 1
-        seq_lens = [s.seq.num_computed_tokens + s.num_new_tokens for s in computing]
-        tables = [s.seq.block_table for s in computing]
         sampling = [s for s in out.scheduled if s.samples]
-        prev_ids = prev.token_ids if prev is not None else None
-        graph = self._graph_for(computing, sampling, prev_ids)
-        if graph is not None:
-            logits = graph.run(input_ids, positions, slots, seq_lens, tables, self.scratch_slot, self.scratch_block,
-                               prev_ids)
-            return self._sample(logits, sampling)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(len(computing), width),
-            query_lens_cpu=[s.num_new_tokens for s in computing],
-            seq_lens_cpu=seq_lens,
-            num_splits=num_splits_for(len(computing), self.model.cfg.num_kv_heads),
+        return StepInputs(
+            input_ids=input_ids, positions=positions, slots=slots,
+            query_lens=[s.num_new_tokens for s in computing],
+            seq_lens=[s.seq.num_computed_tokens + s.num_new_tokens for s in computing],
+            block_tables=[s.seq.block_table for s in computing],
+            block_copies=out.block_copies,
+            logit_rows=[last_row[(s.sample_from or s.seq).seq_id] for s in sampling],
+            graph_batch=self._graph_for(computing, sampling, prev),
+            has_prev=prev is not None,
         )
-        ids = self._tensor(input_ids, torch.int64)
-        if prev_ids is not None:
-            ids = resolve_placeholders(ids, prev_ids)
-        hidden = self.model(ids, self._tensor(positions, torch.int64), self.kv_cache, meta)
-        if not sampling:
-            return None
-        rows = [last_row[(s.sample_from or s.seq).seq_id] for s in sampling]
-        return self._sample(self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]), sampling)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> SamplerOutput:
-        sampled = self.sampler(logits, [self._sample_row(s) for s in sampling])
-        sampled.start_copy()
-        return sampled
+    def forward(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's forward on this rank: logits of its sampled rows, or None if none samples.
+        `prev` holds the previous step's sampled ids, which the placeholders name."""
+        for src, dst in step.block_copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        if step.graph_batch is not None:
+            return self.graphs[step.graph_batch].run(step, self.scratch_slot, self.scratch_block, prev)
+        tables, n = step.block_tables, len(step.block_tables)
+        width = max(len(t) for t in tables)
+        query_start = [0]
+        for q in step.query_lens:
+            query_start.append(query_start[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slots, torch.int64),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            seq_lens=self._tensor(step.seq_lens, torch.int32),
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(n, width),
+            query_lens_cpu=step.query_lens,
+            seq_lens_cpu=step.seq_lens,
+            num_splits=num_splits_for(n, self.model.num_kv_heads),
+        )
+        ids = self._tensor(step.input_ids, torch.int64)
+        if prev is not None:
+            ids = resolve_placeholders(ids, prev)
+        hidden = self.model(ids, self._tensor(step.positions, torch.int64), self.kv_cache, meta)
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(step.logit_rows, torch.int64)])
 
     def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence],
-                   prev: torch.Tensor | None) -> _DecodeGraph | None:
+                   prev: SamplerOutput | None) -> int | None:
         """A captured graph fits a step whose every sequence decodes one token and samples it."""
         if not self.graphs or len(computing) != len(sampling) or any(s.num_new_tokens != 1 or s.sample_from
                                                                      for s in computing):
             return None
-        if prev is not None and len(prev) > len(self.prev_tokens):
+        if prev is not None and len(prev.token_ids) > len(self.prev_tokens):
             return None
-        batch = next((b for b in sorted(self.graphs) if b >= len(computing)), None)
-        return self.graphs.get(batch) if batch is not None else None
+        return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
 
     @staticmethod
     def _sample_row(s: ScheduledSequence) -> SampleRow:

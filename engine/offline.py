@@ -43,7 +43,7 @@ def pack_sequences(model: DecoderModel, sequences: list[list[int]], num_layers: 
     )
     if model.cos_sin is None or model.cos_sin.shape[0] < max(lengths):
         model.init_rope(max(lengths))
-    kv = torch.zeros(num_layers or cfg.num_layers, 2, sum(blocks), block_size, cfg.num_kv_heads, cfg.head_dim,
+    kv = torch.zeros(num_layers or cfg.num_layers, 2, sum(blocks), block_size, model.num_kv_heads, cfg.head_dim,
                      dtype=dtype, device=device)
     return PackedSequences(
         input_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=device),

@@ -2,7 +2,8 @@
 
 A layer may be several checkpoint projections merged along its output features (QKV, gate/up);
 `load` copies one projection's tensor into the slice [start, start + size) of those features, in
-whatever layout its format keeps them.
+whatever layout its format keeps them. Under tensor parallelism `shard` first cuts a checkpoint
+tensor to this rank's output features (column-parallel) or input features (row-parallel).
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ class Linear(nn.Module):
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
 
+    def shard(self, leaf: str, tensor: torch.Tensor, dim: int, first: int, count: int) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: features [first, first + count) of dim 0 (output)
+        or 1 (input) of the projection's [out, in] weight. Row-parallel layers have no bias."""
+        return tensor.narrow(dim, first, count) if leaf == "weight" or dim == 0 else tensor
+
     @staticmethod
     def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None
                           ) -> dict[str, tuple[int, ...]]:
@@ -69,6 +75,17 @@ class Int4Linear(nn.Module):
         else:
             self.bias.narrow(0, start, size).copy_(tensor)
 
+    def shard(self, leaf: str, tensor: torch.Tensor, dim: int, first: int, count: int) -> torch.Tensor:
+        # qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]: input features are rows (in groups
+        # for zeros and scales), output features columns (in packs of 8 for the int32 tensors).
+        if leaf == "bias":
+            return tensor.narrow(0, first, count) if dim == 0 else tensor
+        if dim == 0:
+            pack = 8 if leaf in ("qweight", "qzeros") else 1
+            return tensor.narrow(1, first // pack, count // pack)
+        group = 1 if leaf == "qweight" else self.group_size
+        return tensor.narrow(0, first // group, count // group)
+
     @staticmethod
     def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None
                           ) -> dict[str, tuple[int, ...]]:
@@ -100,6 +117,13 @@ class Fp8Linear(nn.Module):
         elif leaf == "weight_scale":
             tensor = tensor.float().reshape(-1).expand(size)  # per-tensor: the same for each of its rows
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
+
+    def shard(self, leaf: str, tensor: torch.Tensor, dim: int, first: int, count: int) -> torch.Tensor:
+        if leaf == "weight":
+            return tensor.narrow(dim, first, count)
+        if dim == 1 or tensor.numel() == 1:  # scales and bias are per output feature, or per tensor
+            return tensor
+        return tensor.reshape(-1).narrow(0, first, count)
 
     @staticmethod
     def checkpoint_shapes(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None = None

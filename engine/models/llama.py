@@ -3,14 +3,20 @@
 QKV and gate/up are single merged projections (the loader fills their slices), and every op that
 gets a Triton kernel goes through kernels/. With a quantization format the seven linear layers of
 each decoder layer hold int4 (AWQ) or FP8 weights; embeddings, norms and lm_head keep the model's dtype.
+
+Under tensor parallelism (engine.distributed) each rank builds the same decoder over its shard
+(engine.models.sharding): QKV and gate/up are column-parallel, o_proj and down_proj row-parallel
+with an all-reduce, the embedding and lm_head split the vocabulary.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import make_linear
+from engine.models.sharding import ModelShard
 from kernels.activation import silu_mul
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import rms_norm
@@ -18,19 +24,24 @@ from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None,
+                 shard: ModelShard | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shard = shard or ModelShard.of(cfg, 0, 1)
+        self.tp = tp
+        # This rank's heads and intermediate features (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.q_heads[1], shard.kv_heads[1], cfg.head_dim
+        self.intermediate_size = shard.intermediate[1]
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_split = [q_size, kv_size, kv_size]
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.qkv_proj = make_linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, quant)
         self.o_proj = make_linear(q_size, cfg.hidden_size, False, dtype, quant)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, quant)
-        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, quant)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, dtype, quant)
+        self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, dtype, quant)
 
     def forward(
         self,
@@ -57,10 +68,10 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(attn.reshape(tokens, -1))
+        return self.tp.all_reduce(self.o_proj(attn.reshape(tokens, -1)))
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(hidden)))
+        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(hidden))))
 
 
 class DecoderModel(nn.Module):
@@ -69,19 +80,27 @@ class DecoderModel(nn.Module):
     `quant` is the format of the linear weights: the checkpoint's (cfg.quantization) by default, or
     FP8 for a float checkpoint quantized as it loads."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.quant = quant or cfg.quantization
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.shard = ModelShard.of(cfg, tp.rank, tp.size, self.quant)
+        self.num_kv_heads = self.shard.kv_heads[1]  # this rank's: the KV cache holds only these
+        rows = self.shard.vocab_rows[1]
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype
-        )
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes a token takes on this rank (its KV heads only)."""
+        cfg = self.cfg
+        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.embed_tokens.weight.element_size()
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute the cos/sin table on the model's device (after weights are in place)."""
@@ -92,13 +111,25 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         assert self.cos_sin is not None, "call init_rope() first"
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, self.cos_sin)
         hidden, _ = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: each rank looks up the ids in its rows, zeros the others, and the sum
+        # over ranks is the embedding.
+        first, rows = self.shard.vocab_rows
+        local = input_ids - first
+        mine = (local >= 0) & (local < rows)
+        hidden = self.embed_tokens(local.clamp(0, rows - 1)) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = self.tp.all_gather(torch.nn.functional.linear(hidden, weight))
+        return logits[:, : self.cfg.vocab_size].float()

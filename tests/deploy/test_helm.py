@@ -32,9 +32,8 @@ FULLNAME = f"{RELEASE}-minillm"
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 # Custom resources kubernetes-validate has no schema for; test_service_monitor checks these.
 CRD_KINDS = {"ServiceMonitor"}
-# MINILLM_* names the server does not take as flags: the models directory (engine/model_store.py)
-# and the tensor-parallel size (its flag comes with the tensor-parallel issue; ignored until then).
-NON_FLAG_ENV = {"MINILLM_MODELS_DIR", "MINILLM_TENSOR_PARALLEL_SIZE"}
+# MINILLM_* names the server does not take as flags: the models directory (engine/model_store.py).
+NON_FLAG_ENV = {"MINILLM_MODELS_DIR"}
 
 CASES: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -158,7 +157,7 @@ def test_schema_knows_exactly_the_server_flags() -> None:
     in_chart |= {"model", "served_model_name", "api_key"}
     flags = server_flags()
     assert flags - in_chart == set(), "server flags the chart cannot set"
-    assert in_chart - flags <= {"tensor_parallel_size"}, "chart values that are no server flag"
+    assert in_chart - flags == set(), "chart values that are no server flag"
 
 
 # ---- what the server needs -----------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""What every rank builds (its shard of the model, a KV cache of the size all ranks agree on, a model
+runner) and, for tensor parallelism, the other ranks: one process per device, started by rank 0.
+
+Rank 0 is the engine's own process: it schedules, samples and streams. Each other rank loops on
+the steps rank 0 sends (engine.model_runner.StepInputs, pickled through a pipe) and runs the same
+forward on its shard; the collectives inside the forward keep them in lockstep.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, parse_bytes
+from engine.distributed import SINGLE, TensorParallel, close_tensor_parallel, init_tensor_parallel, rank_device
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.loader import RANDOM_PREFIX, load_model, model_config
+from engine.model_runner import ModelRunner, StepInputs
+from engine.model_store import resolve_model
+from engine.models.llama import DecoderModel
+from engine.models.sharding import ModelShard
+from engine.offline import pack_sequences
+
+log = logging.getLogger("minillm.engine")
+
+
+def model_source(config: EngineConfig) -> str | Path:
+    """A `random:<shape>` name as it is, anything else resolved to its directory."""
+    return config.model if config.model.startswith(RANDOM_PREFIX) else resolve_model(config.model)
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse a tensor-parallel size this model or machine cannot run, before any process starts."""
+    size = config.tensor_parallel_size
+    if size < 1:
+        raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {size}.", param="tensor_parallel_size")
+    if size == 1:
+        return
+    device = config.torch_device()
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise InvalidRequestError(f"tensor_parallel_size {size} needs {size} GPUs; this machine has "
+                                  f"{torch.cuda.device_count()}.", param="tensor_parallel_size")
+    cfg = model_config(model_source(config))
+    if cfg.vocab_size < size:
+        raise ModelLoadError(f"A vocabulary of {cfg.vocab_size} cannot be split over {size} ranks.")
+    for rank in range(size):  # raises for head counts or AWQ groups that do not split
+        ModelShard.of(cfg, rank, size, cfg.quantization)
+
+
+def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> DecoderModel:
+    return load_model(model_source(config), config.torch_dtype(), device, seed=config.weights_seed,
+                      quantization=config.quantization, tp=tp)
+
+
+def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParallel) -> int:
+    """KV blocks per rank: what this rank's budget holds, the least over ranks (each holds the
+    same blocks of its own heads)."""
+    device = model.embed_tokens.weight.device
+    if config.kv_cache_memory is not None:
+        budget = parse_bytes(config.kv_cache_memory)
+    elif device.type == "cuda":
+        budget = _profiled_kv_budget(config, model)
+    else:
+        budget = 1 << 30
+    blocks = tp.min(budget // (config.block_size * model.kv_bytes_per_token()), device)
+    if blocks < 2:
+        raise InvalidRequestError(f"The KV budget holds {blocks} blocks; give --kv-cache-memory more.")
+    return blocks
+
+
+@torch.inference_mode()
+def _profiled_kv_budget(config: EngineConfig, model: DecoderModel) -> int:
+    """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
+    of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
+    device = model.embed_tokens.weight.device
+    tokens = config.batched_tokens()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    batch = pack_sequences(model, [[0] * tokens], block_size=config.block_size)
+    hidden = model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
+    rows = min(config.max_num_seqs, tokens)
+    model.compute_logits(hidden[-rows:])
+    torch.cuda.synchronize(device)
+    kv = batch.kv_cache
+    peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
+    del batch, kv, hidden
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info(device)[1]
+    budget = int(total * config.gpu_memory_utilization) - peak
+    log.info("GPU memory: %.1f GiB total, %.1f GiB for weights and a largest step, %.1f GiB for KV (utilization %.2f)",
+             total / 2**30, peak / 2**30, budget / 2**30, config.gpu_memory_utilization)
+    return budget
+
+
+def context_length(config: EngineConfig, model: DecoderModel, num_blocks: int) -> int:
+    """--max-model-len or the model's, no more than the KV pool holds: a longer sequence could never run."""
+    return min(config.max_model_len or model.cfg.max_position_embeddings, num_blocks * config.block_size)
+
+
+def build_runner(config: EngineConfig, model: DecoderModel, num_blocks: int, sample_vocab_size: int | None = None,
+                 publish=None) -> ModelRunner:
+    return ModelRunner(model, num_blocks, config.block_size, context_length(config, model, num_blocks),
+                       config.max_num_seqs, config.cuda_graphs, sample_vocab_size, publish)
+
+
+class Workers:
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them each step, stops them.
+
+    A rank that dies leaves the others waiting in a collective forever, so a watchdog ends this
+    process too (its supervisor restarts the server)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="minillm-tp-")
+        self.init_file = os.path.join(self._dir, "rendezvous")
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, config, self.init_file, theirs, os.getpid()),
+                               name=f"minillm-tp{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        self._closing = False
+        threading.Thread(target=self._watch, name="minillm-tp-watchdog", daemon=True).start()
+        atexit.register(self.close)  # before multiprocessing's own exit handler kills them
+
+    def send(self, step: StepInputs | None) -> None:
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            conn.send_bytes(data)
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loop at the next message) and wait for them."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.send(None)
+        except OSError:  # a rank already gone
+            pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _watch(self) -> None:
+        by_sentinel = {p.sentinel: p for p in self._procs}
+        ended = multiprocessing.connection.wait(list(by_sentinel))
+        if self._closing:
+            return
+        proc = by_sentinel[ended[0]]
+        proc.join(1.0)  # for its exit code
+        log.critical("tensor-parallel worker %s exited with code %s; the other ranks cannot go on without it: "
+                     "exiting", proc.name, proc.exitcode)
+        logging.shutdown()
+        os._exit(1)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose rank 0 was killed would wait forever: leave when it is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_main(rank: int, config: EngineConfig, init_file: str, conn: multiprocessing.connection.Connection,
+                 parent: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s[rank {rank}] %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    size = config.tensor_parallel_size
+    device = rank_device(config.torch_device(), rank)
+    if device.type == "cpu":  # share the cores with the other ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    tp = SINGLE
+    try:
+        tp = init_tensor_parallel(rank, size, device, init_file)
+        model = load_shard(config, tp, device)
+        runner = build_runner(config, model, kv_cache_blocks(config, model, tp))
+        log.info("rank %d of %d ready on %s", rank, size, device)
+        while (step := pickle.loads(conn.recv_bytes())) is not None:
+            runner.follow(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except EOFError:  # rank 0 is gone
+        os._exit(1)
+    except BaseException:  # noqa: BLE001 - say why before the watchdog on rank 0 ends the server
+        log.critical("rank %d failed:\n%s", rank, traceback.format_exc())
+        logging.shutdown()
+        os._exit(1)
+    close_tensor_parallel(tp)
+
+
+def start_tensor_parallel(config: EngineConfig) -> tuple[TensorParallel, Workers | None, torch.device]:
+    """Rank 0's group, the other ranks (None without tensor parallelism), and rank 0's device."""
+    check_tensor_parallel(config)
+    device = config.torch_device()
+    if config.tensor_parallel_size == 1:
+        return SINGLE, None, device
+    workers = Workers(config)
+    device = rank_device(device, 0)
+    try:
+        return init_tensor_parallel(0, workers.size, device, workers.init_file), workers, device
+    except BaseException:
+        workers.close()
+        raise

@@ -1,0 +1,88 @@
+"""Tensor parallelism on CPU: two processes (gloo) serve the embedded model with the same tokens as
+one; sizes that cannot work are refused before any process starts; a rank that dies ends rank 0
+instead of leaving it waiting in a collective."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+
+
+def _config(size: int) -> EngineConfig:
+    # Small chunks: the long prompt is prefilled in several steps beside the others' decodes.
+    return EngineConfig(model="default", dtype="float32", tensor_parallel_size=size, kv_cache_memory="64MiB",
+                        max_num_batched_tokens=32)
+
+
+def _run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
+    greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2)
+    long = " ".join(PROMPTS * 6)  # about 100 tokens: chunked; asked twice, the second hits the prefix cache
+    prompts = PROMPTS + [long, long, PROMPTS[0]]
+    params = [greedy] * 3 + [greedy, greedy, seeded]
+    done = engine.generate(prompts, params)
+    return [(c.token_ids, [lp.logprob for lp in c.samples[0].logprobs]) for c in done]
+
+
+def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
+    one = LLMEngine(_config(1))
+    expected = _run(one)
+    two = LLMEngine(_config(2))
+    try:
+        assert two.tp.size == 2 and two.runner.kv_cache.shape[4] == 2  # rank 0 holds 2 of the 3 KV heads
+        # Each rank holds fewer KV heads, so the same memory holds more blocks.
+        assert two.block_manager.num_blocks == one.block_manager.num_blocks * 3 // 2
+        got = _run(two)
+    finally:
+        two.close()
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, a), (_, b) in zip(got, expected):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+    assert not multiprocessing.active_children()  # close() stopped the other rank
+
+
+@pytest.mark.parametrize(("size", "error", "message"), [
+    (4, ModelLoadError, "3 KV heads and 9 query heads cannot be split over 4 ranks"),
+    (0, InvalidRequestError, "at least 1"),
+])
+def test_sizes_that_cannot_work_are_refused_first(default_model_dir, size, error, message) -> None:
+    with pytest.raises(error, match=message):
+        LLMEngine(_config(size))
+    assert not multiprocessing.active_children()
+
+
+def test_a_dead_rank_ends_rank_0(tmp_path) -> None:
+    script = textwrap.dedent("""
+        import multiprocessing, os, signal, time
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        from engine.sampling_params import SamplingParams
+        if __name__ == "__main__":
+            engine = LLMEngine(EngineConfig(model="random:tiny-llama3", tensor_parallel_size=2, kv_cache_memory="16MiB"))
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+            print("served", flush=True)
+            [worker] = multiprocessing.active_children()
+            os.kill(worker.pid, signal.SIGKILL)
+            time.sleep(30)  # the watchdog ends this process long before
+            print("still here", flush=True)
+    """)
+    (tmp_path / "dead_rank.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(tmp_path / "dead_rank.py")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["served"], proc.stderr[-3000:]
+    assert proc.returncode == 1
+    assert "tensor-parallel worker minillm-tp1 exited with code -9" in proc.stderr
