@@ -86,3 +86,27 @@ def test_a_dead_rank_ends_rank_0(tmp_path) -> None:
     assert proc.stdout.splitlines() == ["served"], proc.stderr[-3000:]
     assert proc.returncode == 1
     assert "tensor-parallel worker minillm-tp1 exited with code -9" in proc.stderr
+
+
+def _tiny_awq(tiny_model_dir, tmp_path) -> str:
+    from tests.engine.test_quantize import _float_and_awq_by_hand
+
+    return str(_float_and_awq_by_hand(tiny_model_dir("tiny-llama3")[0], tmp_path)[1])
+
+
+@pytest.mark.parametrize("model", ["random:tiny-qwen2", "awq", "fp8"])
+def test_two_ranks_serve_biases_and_quantized_weights(tiny_model_dir, tmp_path, model) -> None:
+    """Qwen2's QKV bias follows its column shards; AWQ and FP8 weights are cut in their own layouts."""
+    path = _tiny_awq(tiny_model_dir, tmp_path) if model == "awq" else "random:tiny-llama3" if model == "fp8" else model
+    quantization = "fp8" if model == "fp8" else None
+    prompts = [[1, 5, 9, 200, 7], list(range(3, 40))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for size in (1, 2):
+        engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=size, kv_cache_memory="16MiB",
+                                        quantization=quantization))
+        try:
+            outputs.append([c.token_ids for c in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]
