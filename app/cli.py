@@ -1,5 +1,5 @@
 """`minillm`: the command line. `serve` runs the OpenAI-compatible server; `generate` and `chat` try a
-model in the terminal; `quantize` writes an int4 (AWQ-layout) copy of a float checkpoint."""
+model in the terminal; `quantize` writes an int4 (AWQ-layout) or FP8 copy of a float checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -52,11 +52,12 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="a float Hugging Face model directory, or 'default' (the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--method", choices=METHODS, default="awq",
-                        help="awq: activation-aware scales and clipping from a calibration text; rtn: round to nearest")
+                        help="int4: awq (activation-aware scales and clipping from a calibration text) or rtn (round "
+                             "to nearest); fp8-gptq: FP8 with per-channel scales, rounded by GPTQ on the calibration text")
     parser.add_argument("--group-size", type=int, default=None,
-                        help="input features per scale and zero point (default 128, or 64 or 32 where 128 does not fit the model)")
+                        help="int4: input features per scale and zero point (default 128, or 64 or 32 where 128 does not fit the model)")
     parser.add_argument("--calibration-tokens", type=int, default=2048,
-                        help="tokens of the shipped calibration text AWQ runs through the model (default: all of it, ~1,700)")
+                        help="tokens of the shipped calibration text awq and fp8-gptq run through the model (default: all of it, ~1,700)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
     parser.add_argument("--log-level", default="INFO")
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(p, server=False)
         add_sampling_args(p)
         p.add_argument("--log-level", default="WARNING")
-    quant = sub.add_parser("quantize", help="write an int4 copy of a float checkpoint (AutoAWQ's GEMM layout)",
+    quant = sub.add_parser("quantize", help="write an int4 (AutoAWQ's GEMM layout) or FP8 copy of a float checkpoint",
                            description="Quantize a float checkpoint's decoder linear layers to 4 bits (AWQ or "
-                                       "round-to-nearest) into a new model directory that minillm (and AutoAWQ "
-                                       "readers) load.")
+                                       "round-to-nearest, AutoAWQ's layout) or to FP8 (GPTQ, compressed-tensors' "
+                                       "layout) into a new model directory that minillm loads.")
     add_quantize_args(quant)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

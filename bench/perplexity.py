@@ -7,9 +7,9 @@ token is scored once, in the first window that holds it past the stride's overla
 perplexity guide does), so every scored token but those of the first window sees at least
 window - stride tokens of context.
 
-Systems: minillm (float32), minillm-bf16, minillm-fp8 (--quantization fp8, per-channel FP8 at load),
-minillm-int4-rtn and minillm-int4-awq (quantized into a temporary directory by engine/quantize.py,
-the code behind `minillm quantize`). The quantized systems run in --dtype (default bfloat16, as
+Systems: minillm (float32), minillm-bf16, minillm-fp8 (--quantization fp8, per-channel FP8 rounded
+to nearest at load), minillm-fp8-gptq, minillm-int4-rtn and minillm-int4-awq (quantized into a
+temporary directory by engine/quantize.py, the code behind `minillm quantize`). The quantized systems run in --dtype (default bfloat16, as
 served on a GPU). A markdown table is printed last; JSON goes to --out.
 
     python bench/perplexity.py --out bench/results/<date>-cpu-perplexity.json   # CPU: a few minutes
@@ -40,7 +40,8 @@ from engine.quantize import quantize_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench" / "data" / "eval.txt"
-SYSTEMS = ("minillm", "minillm-bf16", "minillm-fp8", "minillm-int4-rtn", "minillm-int4-awq")
+SYSTEMS = ("minillm", "minillm-bf16", "minillm-fp8", "minillm-fp8-gptq", "minillm-int4-rtn", "minillm-int4-awq")
+QUANTIZE_METHODS = {"minillm-fp8-gptq": "fp8-gptq", "minillm-int4-rtn": "rtn", "minillm-int4-awq": "awq"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES), help="dtype of the quantized systems")
     p.add_argument("--group-size", type=int, default=None, help="int4 group size (default: engine/quantize.py's)")
-    p.add_argument("--calibration-tokens", type=int, default=2048, help="AWQ calibration tokens")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="AWQ and GPTQ calibration tokens")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<device>-perplexity.json)")
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             elif system == "minillm-fp8":
                 model = load_model(src, quantized_dtype, device, quantization="fp8")
             else:
-                method = system.rsplit("-", 1)[1]
-                quantized = quantize_checkpoint(str(src), Path(tmp) / method, method, args.group_size,
+                method = QUANTIZE_METHODS[system]
+                quantized = quantize_checkpoint(str(src), Path(tmp) / method, method,
+                                                args.group_size if method != "fp8-gptq" else None,
                                                 args.calibration_tokens, device=str(device))
                 log(f"  {system}: quantized in {time.perf_counter() - start:.1f} s")
                 model = load_model(quantized, quantized_dtype, device)

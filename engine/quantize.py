@@ -1,6 +1,7 @@
-"""Weight-only int4 quantization of a float checkpoint into AutoAWQ's GEMM layout (`minillm quantize`).
+"""Weight-only quantization of a float checkpoint (`minillm quantize`): int4 in AutoAWQ's GEMM layout,
+or FP8 in compressed-tensors' layout.
 
-Every group of G consecutive input features of an output feature gets its own 16-level affine grid:
+For int4, every group of G consecutive input features of an output feature gets its own 16-level affine grid:
 scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to its nearest level.
 
   rtn  that grid on the weights as they are.
@@ -16,9 +17,16 @@ scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to
        the float model computes the same. Then each group's range is clipped (not for q/k) where
        that lowers the error of the group's partial dot products on the calibration activations.
        Each layer is searched on the activations the original float model feeds it.
+  fp8-gptq  FP8 (e4m3) weights with one scale per output feature (its largest magnitude maps to 448),
+       rounded by GPTQ (Frantar et al., ICLR 2023) instead of to nearest: input features are rounded
+       one at a time, and each one's rounding error is spread over the features not yet rounded,
+       weighted by the inverse Hessian of the layer's squared output error on the calibration text
+       (H = 2 X^T X, dampened by 10% of its mean diagonal). Layer by layer, each fed the already
+       quantized layers' output.
 
-The output directory holds model.safetensors (`<proj>.qweight/.qzeros/.scales` like AutoAWQ; the
-rest in float16), config.json with its quantization_config, and the tokenizer and generation files.
+The output directory holds model.safetensors (int4: `<proj>.qweight/.qzeros/.scales` like AutoAWQ,
+the rest in float16; FP8: `<proj>.weight` in float8_e4m3fn with `<proj>.weight_scale` [N, 1], the rest
+in bfloat16), config.json with its quantization_config, and the tokenizer and generation files.
 """
 from __future__ import annotations
 
@@ -43,15 +51,19 @@ from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.offline import pack_sequences
 from engine.tokenizer import Tokenizer
+from kernels.fp8_linear import FP8, FP8_MAX, quantize_fp8
 from kernels.int4_linear import pack_awq
 
 log = logging.getLogger("minillm.quantize")
 
-METHODS = ("awq", "rtn")
+METHODS = ("awq", "rtn", "fp8-gptq")
+INT4_METHODS = ("awq", "rtn")
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration of Independence
 CALIBRATION_SEQ_LEN = 512
 MAX_Q = 15  # 4 bits
 GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+GPTQ_DAMP = 0.1  # share of the Hessian's mean diagonal added to it (0.01, GPTQ's default, did worse here)
+GPTQ_BLOCK = 128  # input features whose error updates are applied together
 CLIP_STEPS = 10  # each end of a group's range shrunk by 0, 5, ..., 45%
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json", COMPLETE_MARKER)
 
@@ -262,6 +274,74 @@ def calibration_sequences(tokenizer: Tokenizer, max_tokens: int, seq_len: int = 
     return [s for s in sequences if len(s) > 1]
 
 
+# ---- GPTQ ------------------------------------------------------------------------------------------
+
+def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_column: Callable[[torch.Tensor], torch.Tensor],
+               damp: float = GPTQ_DAMP, block: int = GPTQ_BLOCK) -> torch.Tensor:
+    """GPTQ: weight [N, K] rounded one input feature (column) at a time by round_column ([N] → the
+    nearest representable [N]), each column's error pushed onto the columns after it so as to
+    minimize the output error tr((W - Q) H (W - Q)^T) for the layer's input Hessian H [K, K]."""
+    w = weight.float().clone()
+    h = hessian.float().clone()
+    k = w.shape[1]
+    dead = torch.diag(h) == 0  # inputs that are always zero: anything goes
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diag(h).mean() * torch.eye(k, device=h.device)
+    # The upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns.
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    out = torch.empty_like(w)
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        cols, errors, hb = w[:, start:end].clone(), torch.empty(w.shape[0], end - start, device=w.device), hinv[start:end, start:end]
+        for i in range(end - start):
+            rounded = round_column(cols[:, i])
+            out[:, start + i] = rounded
+            err = (cols[:, i] - rounded) / hb[i, i]
+            cols[:, i:] -= err[:, None] * hb[i, i:][None, :]
+            errors[:, i] = err
+        w[:, end:] -= errors @ hinv[start:end, end:]  # the block's errors onto every later column at once
+    return out
+
+
+def _fp8_gptq(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] GPTQ-rounded to FP8 with the original rows' scales (fed x [T, K]), dequantized."""
+    _, scale = quantize_fp8(weight)
+
+    def nearest(col: torch.Tensor) -> torch.Tensor:
+        return (col / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+    return gptq_round(weight, 2 * x.t() @ x / x.shape[0], nearest)
+
+
+@torch.no_grad()
+def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
+    """Replace each decoder linear weight by its GPTQ-rounded FP8 values (dequantized, in place),
+    layer by layer, each layer's Hessians taken from the quantized layers before it."""
+    batch = pack_sequences(model, sequences, num_layers=1)
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    torch.set_flush_denormal(True)  # as in awq_calibrate
+    try:
+        hidden, residual = model.embed_tokens(batch.input_ids), None
+        for i, layer in enumerate(model.layers):
+            start = time.monotonic()
+            inputs: dict[str, torch.Tensor] = {}
+            hooks = [getattr(layer, name).register_forward_pre_hook(
+                         lambda _m, args, name=name: inputs.__setitem__(name, args[0].float())) for name in names]
+            try:
+                layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for name in names:
+                weight = getattr(layer, name).weight
+                weight.copy_(_fp8_gptq(weight, inputs[name]))
+            hidden, residual = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
+            log.info("GPTQ (FP8) layer %d/%d: %.1f s", i + 1, model.cfg.num_layers, time.monotonic() - start)
+    finally:
+        torch.set_flush_denormal(False)
+
+
 # ---- the checkpoint --------------------------------------------------------------------------------
 
 def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
@@ -286,6 +366,41 @@ def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def export_fp8(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names: decoder linear weights in FP8 with a float32
+    scale per output feature ([N, 1], as compressed-tensors writes it), everything else in bfloat16.
+    Weights already on their FP8 grid (fp8_gptq_calibrate) come out exactly."""
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(torch.bfloat16).cpu().contiguous()
+
+    out = {"model.embed_tokens.weight": bf16(model.embed_tokens.weight), "model.norm.weight": bf16(model.norm)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = bf16(model.lm_head.weight)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = bf16(layer.input_layernorm)
+        out[p + "post_attention_layernorm.weight"] = bf16(layer.post_attention_layernorm)
+        for name, (module, start, size) in layer_projections(model.cfg, layer).items():
+            weight, scale = quantize_fp8(module.weight[start:start + size])
+            out[f"{p}{name}.weight"] = weight.cpu().contiguous()
+            out[f"{p}{name}.weight_scale"] = scale[:, None].cpu().contiguous()
+            if module.bias is not None:
+                out[f"{p}{name}.bias"] = bf16(module.bias[start:start + size])
+    return out
+
+
+def fp8_quantization_config() -> dict:
+    """compressed-tensors' FP8 scheme with per-channel weights (activations: dynamic per token, as
+    minillm's prefill on Hopper does them)."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
+                            "dynamic": False},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}}}
+
+
 def awq_quantization_config(group_size: int) -> dict:
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
             "modules_to_not_convert": None}
@@ -294,14 +409,17 @@ def awq_quantization_config(group_size: int) -> dict:
 def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_size: int | None = None,
                         calibration_tokens: int = 2048, device: str = "auto", clip: bool = True) -> Path:
     """Quantize a float checkpoint directory ("default": the embedded model) into `out`, which must
-    not exist or be empty. Returns `out`."""
+    not exist or be empty. Returns `out`. group_size is int4's (fp8-gptq has none)."""
     if method not in METHODS:
         raise ModelLoadError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
     src = resolve_model(model)
     cfg = ModelConfig.from_dir(src)
     if cfg.quantization is not None:
         raise ModelLoadError(f"{src} is already quantized ({cfg.quantization.method}); give a float checkpoint.")
-    if group_size is None:
+    if method not in INT4_METHODS:
+        if group_size is not None:
+            raise ModelLoadError(f"{method} has one scale per output feature: leave --group-size out.")
+    elif group_size is None:
         group_size = default_group_size(cfg)
     else:
         cfg.check_awq_group_size(group_size)
@@ -311,17 +429,25 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
     torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     start = time.monotonic()
     decoder = load_model(src, torch.float32, torch_device)
-    if method == "awq":
+    if method != "rtn":
         if not Tokenizer.present(src):
-            raise ModelLoadError(f"AWQ tokenizes its calibration text with the model's tokenizer; {src} has none.")
+            raise ModelLoadError(f"{method} tokenizes its calibration text with the model's tokenizer; {src} has none.")
         sequences = calibration_sequences(Tokenizer.from_dir(src), calibration_tokens)
         if not sequences:
             raise ModelLoadError(f"calibration_tokens must be at least 2; got {calibration_tokens}.")
-        awq_calibrate(decoder, sequences, group_size, clip)
-    tensors = export_awq(decoder, group_size)
+        if method == "awq":
+            awq_calibrate(decoder, sequences, group_size, clip)
+        else:
+            fp8_gptq_calibrate(decoder, sequences)
     hf_config = json.loads((src / "config.json").read_text())
-    hf_config["quantization_config"] = awq_quantization_config(group_size)
-    hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "float16"
+    if method in INT4_METHODS:
+        tensors = export_awq(decoder, group_size)
+        hf_config["quantization_config"] = awq_quantization_config(group_size)
+        hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "float16"
+    else:
+        tensors = export_fp8(decoder)
+        hf_config["quantization_config"] = fp8_quantization_config()
+        hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "bfloat16"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -338,6 +464,6 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("quantized %s (%s, group size %d) into %s in %.1f s", src, method, group_size, out,
-             time.monotonic() - start)
+    log.info("quantized %s (%s%s) into %s in %.1f s", src, method, f", group size {group_size}" if group_size else "",
+             out, time.monotonic() - start)
     return out

@@ -36,7 +36,7 @@ def test_perplexity_smoke_writes_the_agreed_json(default_model_dir, tmp_path) ->
 
 
 def test_perplexity_smoke_runs_awq(tiny_model_dir, default_model_dir, tmp_path) -> None:
-    """The AWQ system end to end, on a tiny model with the embedded model's tokenizer (quick)."""
+    """The calibrated systems (AWQ, GPTQ) end to end, on a tiny model with the embedded model's tokenizer (quick)."""
     src = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir("tiny-llama3", vocab_size=49152)[0], src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -46,10 +46,11 @@ def test_perplexity_smoke_runs_awq(tiny_model_dir, default_model_dir, tmp_path) 
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "perplexity.py"), "--model", str(src), "--max-tokens", "80", "--window",
          "48", "--stride", "32", "--group-size", "32", "--calibration-tokens", "64", "--systems",
-         "minillm-int4-rtn,minillm-int4-awq", "--out", str(out)],
+         "minillm-int4-rtn,minillm-int4-awq,minillm-fp8-gptq", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["model"], r["system"]) for r in rows] == [("tiny", "minillm-int4-rtn"), ("tiny", "minillm-int4-awq")]
+    assert [(r["model"], r["system"]) for r in rows] == [("tiny", "minillm-int4-rtn"), ("tiny", "minillm-int4-awq"),
+                                                         ("tiny", "minillm-fp8-gptq")]
     assert all(r["value"] > 1 for r in rows)

@@ -17,7 +17,7 @@ from engine.loader import layer_projections, load_model
 from engine.models.config import ModelConfig, QuantConfig, parse_quantization
 from engine.models.linear import Fp8Linear, Int4Linear
 from engine.offline import prompt_logits
-from engine.quantize import awq_calibrate, quantize_checkpoint
+from engine.quantize import awq_calibrate, gptq_round, quantize_checkpoint
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kernels.fp8_linear import FP8, FP8_MAX
@@ -254,4 +254,45 @@ def test_quantize_refuses_what_it_cannot_do(tiny_model_dir, tiny_with_tokenizer,
     _, awq_dir = _float_and_awq_by_hand(tiny_model_dir("tiny-llama3")[0], tmp_path)
     with pytest.raises(ModelLoadError, match="already quantized"):
         quantize_checkpoint(str(awq_dir), tmp_path / "c", "rtn")
+    with pytest.raises(ModelLoadError, match="leave --group-size out"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "d", "fp8-gptq", group_size=32)
     assert parse_quantization(None) is None
+
+
+def test_gptq_rounding_beats_round_to_nearest_on_the_output() -> None:
+    """GPTQ minimizes the output error on its Hessian's inputs: tr((W - Q) H (W - Q)^T), below
+    rounding each weight to its nearest level, on correlated inputs; and each column stays on the grid."""
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(64, 64, generator=gen)
+    x = torch.randn(512, 64, generator=gen) @ mix  # correlated input features
+    w = torch.randn(32, 64, generator=gen)
+    step = 0.25
+
+    def nearest(col: torch.Tensor) -> torch.Tensor:
+        return torch.round(col / step) * step
+
+    def output_error(q: torch.Tensor) -> float:
+        return (x @ (w - q).t()).pow(2).mean().item()
+
+    q = gptq_round(w, 2 * x.t() @ x / x.shape[0], nearest, damp=0.01)
+    assert torch.equal(q, nearest(q))
+    assert output_error(q) < 0.5 * output_error(nearest(w))
+
+
+def test_fp8_gptq_checkpoint_loads_back(tiny_with_tokenizer, tmp_path) -> None:
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", "fp8-gptq", calibration_tokens=256)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert parse_quantization(qc) == QuantConfig("fp8")
+    assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    tensors = load_file(out / "model.safetensors")
+    k_proj = tensors["model.layers.1.self_attn.k_proj.weight"]
+    assert k_proj.dtype == FP8 and k_proj.shape == (32, 64)
+    assert tensors["model.layers.1.self_attn.k_proj.weight_scale"].shape == (32, 1)
+    # Each row keeps its largest magnitude's scale: the row's largest FP8 value is at or near 448.
+    assert (k_proj.float().abs().amax(1) >= 0.8 * FP8_MAX).all()
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    quantized = load_model(out, torch.float32, CPU)
+    assert isinstance(quantized.layers[0].qkv_proj, Fp8Linear)
+    assert len(_greedy(out)) == 8
+    reference = prompt_logits(load_model(tiny_with_tokenizer, torch.float32, CPU), PROMPT)
+    assert _rel(prompt_logits(quantized, PROMPT), reference) < 0.2
