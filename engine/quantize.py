@@ -344,49 +344,42 @@ def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
 
 # ---- the checkpoint --------------------------------------------------------------------------------
 
-def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
-    """The model's tensors under Hugging Face names: decoder linear layers packed in AutoAWQ's GEMM
-    layout, everything else in float16."""
-    def half(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(torch.float16).cpu().contiguous()
+def _export(model: DecoderModel, dtype: torch.dtype,
+            quantize_projection: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names: each decoder projection's weight [N, K] as the
+    leaves quantize_projection makes of it, everything else in dtype."""
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype).cpu().contiguous()
 
-    cfg = model.cfg
-    out = {"model.embed_tokens.weight": half(model.embed_tokens.weight), "model.norm.weight": half(model.norm)}
+    out = {"model.embed_tokens.weight": plain(model.embed_tokens.weight), "model.norm.weight": plain(model.norm)}
     if model.lm_head is not None:
-        out["lm_head.weight"] = half(model.lm_head.weight)
+        out["lm_head.weight"] = plain(model.lm_head.weight)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = half(layer.input_layernorm)
-        out[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm)
-        for name, (module, start, size) in layer_projections(cfg, layer).items():
-            packed = quantize_weight(module.weight[start:start + size], group_size)
-            out |= {f"{p}{name}.{leaf}": t for leaf, t in packed.items()}
+        out[p + "input_layernorm.weight"] = plain(layer.input_layernorm)
+        out[p + "post_attention_layernorm.weight"] = plain(layer.post_attention_layernorm)
+        for name, (module, start, size) in layer_projections(model.cfg, layer).items():
+            leaves = quantize_projection(module.weight[start:start + size])
+            out |= {f"{p}{name}.{leaf}": t.cpu().contiguous() for leaf, t in leaves.items()}
             if module.bias is not None:
-                out[f"{p}{name}.bias"] = half(module.bias[start:start + size])
+                out[f"{p}{name}.bias"] = plain(module.bias[start:start + size])
     return out
+
+
+def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
+    """Decoder linear layers packed in AutoAWQ's GEMM layout, everything else in float16."""
+    return _export(model, torch.float16, lambda w: quantize_weight(w, group_size))
 
 
 def export_fp8(model: DecoderModel) -> dict[str, torch.Tensor]:
-    """The model's tensors under Hugging Face names: decoder linear weights in FP8 with a float32
-    scale per output feature ([N, 1], as compressed-tensors writes it), everything else in bfloat16.
-    Weights already on their FP8 grid (fp8_gptq_calibrate) come out exactly."""
-    def bf16(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(torch.bfloat16).cpu().contiguous()
+    """Decoder linear weights in FP8 with a float32 scale per output feature ([N, 1], as
+    compressed-tensors writes it), everything else in bfloat16. Weights already on their FP8 grid
+    (fp8_gptq_calibrate) come out exactly."""
+    def fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        weight, scale = quantize_fp8(w)
+        return {"weight": weight, "weight_scale": scale[:, None]}
 
-    out = {"model.embed_tokens.weight": bf16(model.embed_tokens.weight), "model.norm.weight": bf16(model.norm)}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = bf16(model.lm_head.weight)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = bf16(layer.input_layernorm)
-        out[p + "post_attention_layernorm.weight"] = bf16(layer.post_attention_layernorm)
-        for name, (module, start, size) in layer_projections(model.cfg, layer).items():
-            weight, scale = quantize_fp8(module.weight[start:start + size])
-            out[f"{p}{name}.weight"] = weight.cpu().contiguous()
-            out[f"{p}{name}.weight_scale"] = scale[:, None].cpu().contiguous()
-            if module.bias is not None:
-                out[f"{p}{name}.bias"] = bf16(module.bias[start:start + size])
-    return out
+    return _export(model, torch.bfloat16, fp8)
 
 
 def fp8_quantization_config() -> dict:
