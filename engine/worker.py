@@ -14,6 +14,7 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -183,6 +184,10 @@ def _exit_with_parent(parent: int) -> None:
 def _worker_main(rank: int, config: EngineConfig, init_file: str, conn: multiprocessing.connection.Connection,
                  parent: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(name)s[rank {rank}] %(levelname)s %(message)s")
+    # Rank 0 stops this rank when it is done (after its drain); a Ctrl-C or SIGTERM sent to the whole
+    # process group must not end it first, which would end rank 0 mid-drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     size = config.tensor_parallel_size
     device = rank_device(config.torch_device(), rank)

@@ -64,6 +64,33 @@ def test_sizes_that_cannot_work_are_refused_first(default_model_dir, size, error
     assert not multiprocessing.active_children()
 
 
+def test_signals_to_the_process_group_leave_the_other_ranks_to_rank_0(tmp_path) -> None:
+    """Ctrl-C reaches every process of a terminal's group: rank 0 drains, and the other ranks must
+    still be serving until it stops them."""
+    script = textwrap.dedent("""
+        import multiprocessing, os, signal, time
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        from engine.sampling_params import SamplingParams
+        if __name__ == "__main__":
+            engine = LLMEngine(EngineConfig(model="random:tiny-llama3", tensor_parallel_size=2, kv_cache_memory="16MiB"))
+            [worker] = multiprocessing.active_children()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                os.kill(worker.pid, sig)
+            time.sleep(1)
+            [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+            print(len(out.token_ids), worker.is_alive(), flush=True)
+            engine.close()
+            print(worker.exitcode, flush=True)
+    """)
+    (tmp_path / "signals.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(tmp_path / "signals.py")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["3 True", "0"]
+
+
 def test_a_dead_rank_ends_rank_0(tmp_path) -> None:
     script = textwrap.dedent("""
         import multiprocessing, os, signal, time
