@@ -7,6 +7,11 @@ prefill chunks run eagerly.
 Nothing here waits for the device. A step is launched while the previous one still runs, so its
 input ids may be placeholders (see engine.sequence.placeholder) for tokens that the previous
 step is still sampling: they are taken from that step's device output, inside the graph.
+
+Under tensor parallelism every rank has a runner over its shard. Rank 0's `execute` turns the
+scheduler's output into StepInputs, publishes them to the other ranks, and samples; the others
+`follow` each step with the same forward (collectives included, graphs too) and take rank 0's
+sampled ids by broadcast, for their next placeholders.
 """
 from __future__ import annotations
 
