@@ -11,6 +11,8 @@ How each figure is taken:
   floor fraction  the bytes one rank must read per step (its shard of the weights, its KV heads'
                   cache) over one GPU's copy bandwidth, divided by the measured step time. The
                   ranks read in parallel, so this is the floor of the whole step.
+  transformers    with --transformers, transformers-static (bench/gpu.py's: a static cache and a
+                  compiled CUDA-graph decode step) on one GPU with the same weights, as the reference.
   agreement       per check prompt, the greedy tokens (of --check-tokens) that match one GPU's
                   before the first difference. bf16 sums the row-parallel partials in another
                   order, so with random weights (flat logits) some prompts part early; where they
@@ -30,7 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import Floor, copy_bandwidth, log, minillm_decode, random_prompts, release, slug  # noqa: E402
+from bench.gpu import (Floor, build_hf_model, copy_bandwidth, hf_static_decode, log, minillm_decode,  # noqa: E402
+                       random_prompts, release, slug)
 from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -76,7 +79,7 @@ def bench_size(args: argparse.Namespace, shape: str, size: int, bytes_per_s: flo
             d = minillm_decode(engine, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
                                args.new_tokens, args.decode_cap_s, torch.device(device))
             fraction = floor.fraction(d) if floor else None
-            rows.append({"model": RANDOM_PREFIX + shape, "tensor_parallel_size": size, "batch": batch,
+            rows.append({"model": RANDOM_PREFIX + shape, "system": "minillm", "tensor_parallel_size": size, "batch": batch,
                          "decode_tok_s": round(d.tok_s, 2),
                          "floor_fraction": None if fraction is None else round(fraction, 5)})
             log(f"  batch {batch}: {d.tok_s:,.1f} tok/s ({d.tokens} tokens in {d.seconds:.3f} s)"
@@ -96,18 +99,52 @@ def bench_size(args: argparse.Namespace, shape: str, size: int, bytes_per_s: flo
         release(torch.device(device))
 
 
+def bench_transformers(args: argparse.Namespace, shape: str, bytes_per_s: float | None) -> list[dict]:
+    """transformers-static on one GPU, same weights and prompts: the reference for each batch."""
+    device = torch.device(args.device)
+    model = build_hf_model(shape, torch.bfloat16 if args.device == "cuda" else torch.float32, device, args.seed)
+    try:
+        vocab, rows = model.config.vocab_size, []
+        weights = sum(t.numel() * t.element_size() for t in model.parameters())
+        kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+            (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
+        floor = Floor(bytes_per_s, weights, kv_per_token) if bytes_per_s else None
+        for batch in args.batches:
+            d = hf_static_decode(model, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
+                                 args.new_tokens, args.decode_cap_s)
+            fraction = floor.fraction(d) if floor else None
+            rows.append({"model": RANDOM_PREFIX + shape, "system": "transformers-static", "tensor_parallel_size": 1,
+                         "batch": batch, "decode_tok_s": round(d.tok_s, 2),
+                         "floor_fraction": None if fraction is None else round(fraction, 5)})
+            log(f"  transformers-static batch {batch}: {d.tok_s:,.1f} tok/s")
+        return rows
+    finally:
+        del model
+        torch._dynamo.reset()
+        release(device)
+
+
 def markdown_table(rows: list[dict]) -> str:
-    one = {(r["model"], r["batch"]): r["decode_tok_s"] for r in rows if r["tensor_parallel_size"] == 1}
-    lines = ["| model | tensor parallel | batch | decode tok/s | % of floor | × tp=1 | greedy tokens equal to tp=1 |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    one = {(r["model"], r["batch"]): r["decode_tok_s"] for r in rows
+           if r["tensor_parallel_size"] == 1 and r["system"] == "minillm"}
+    lines = ["| model | system | tensor parallel | batch | decode tok/s | % of floor | × minillm tp=1 | greedy tokens equal to tp=1 |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         frac = "" if r["floor_fraction"] is None else f"{100 * r['floor_fraction']:.1f}%"
         base = one.get((r["model"], r["batch"]))
         times = f"{r['decode_tok_s'] / base:.2f}" if base else ""
         agreement = ", ".join(str(a) for a in r.get("agreement", []))
-        lines.append(f"| {r['model']} | {r['tensor_parallel_size']} | {r['batch']} | {r['decode_tok_s']:,.1f} | "
+        lines.append(f"| {r['model']} | {r['system']} | {r['tensor_parallel_size']} | {r['batch']} | {r['decode_tok_s']:,.1f} | "
                      f"{frac} | {times} | {agreement} |")
     return "\n".join(lines)
+
+
+def save(out: Path, gpu: str, gpus: int, date: str, commit: str, bytes_per_s: float, args: argparse.Namespace,
+         rows: list[dict]) -> None:
+    doc = {"gpu": gpu, "gpus": gpus, "date": date, "commit": commit, "floor_bytes_per_s": bytes_per_s,
+           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -123,6 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-cap-s", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--transformers", action="store_true", help="also transformers-static on one GPU, same weights")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>-tp.json)")
     args = p.parse_args(argv)
@@ -157,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows += got
             reference = tokens if size == 1 else reference
-            doc = {"gpu": gpu, "gpus": gpus, "date": date, "commit": commit, "floor_bytes_per_s": bytes_per_s,
-                   "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(doc, indent=2) + "\n")
+            save(out, gpu, gpus, date, commit, bytes_per_s, args, rows)
+        if args.transformers:
+            try:
+                rows += bench_transformers(args, shape, bytes_per_s)
+            except Exception as e:  # noqa: BLE001
+                log(f"{shape} transformers failed: {e!r}")
+                failed.append(f"{shape} transformers")
+            save(out, gpu, gpus, date, commit, bytes_per_s, args, rows)
     print(f"\n{gpus or 'no'} × {gpu}, torch {torch.__version__}, commit {commit}, {date}; copy floor "
           f"{bytes_per_s / 1e12:.2f} TB/s per device; {args.prompt_tokens}-token prompts; failed: {failed or 'none'}\n")
     print(markdown_table(rows), flush=True)

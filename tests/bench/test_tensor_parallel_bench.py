@@ -23,4 +23,5 @@ def test_tensor_parallel_bench_smoke(tmp_path: Path) -> None:
     assert all(r["decode_tok_s"] > 0 and r["floor_fraction"] > 0 for r in rows)
     # Two float32 ranks on the tiny shape agree with one over every checked token.
     assert all(r["agreement"] == [8, 8] for r in rows if r["tensor_parallel_size"] == 2)
-    assert "| random:tiny-llama3 | 2 | 2 |" in proc.stdout
+    assert "| random:tiny-llama3 | minillm | 2 | 2 |" in proc.stdout
+    assert {r["system"] for r in rows} == {"minillm"}
