@@ -30,11 +30,12 @@ def _config(size: int) -> EngineConfig:
 def _run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
     greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2)
+    forked = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2)  # copy-on-write blocks
     long = " ".join(PROMPTS * 6)  # about 100 tokens: chunked; asked twice, the second hits the prefix cache
-    prompts = PROMPTS + [long, long, PROMPTS[0]]
-    params = [greedy] * 3 + [greedy, greedy, seeded]
+    prompts = PROMPTS + [long, long, PROMPTS[0], PROMPTS[2]]
+    params = [greedy] * 3 + [greedy, greedy, seeded, forked]
     done = engine.generate(prompts, params)
-    return [(c.token_ids, [lp.logprob for lp in c.samples[0].logprobs]) for c in done]
+    return [(s.token_ids, [lp.logprob for lp in s.logprobs]) for c in done for _, s in sorted(c.samples.items())]
 
 
 def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
