@@ -126,7 +126,7 @@ class Workers:
         self.size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="minillm-tp-")
         self.init_file = os.path.join(self._dir, "rendezvous")
-        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        ctx = torch.multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         for rank in range(1, self.size):
