@@ -13,7 +13,7 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig, QuantConfig
-from engine.models.linear import linear_class
+from engine.models.linear import Int4Linear, linear_class
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.models.shapes import shape_config
 from kernels.fp8_linear import FP8
@@ -182,5 +182,8 @@ def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed
         load_weights(decoder, random_tensors(cfg, seed, device))
     else:
         load_weights(decoder, iter_safetensors(Path(model)))
+    for module in decoder.modules():
+        if isinstance(module, Int4Linear):  # AWQ's checkpoint layout → the kernels' runtime layout
+            module.repack()
     return decoder.eval().requires_grad_(False)
 

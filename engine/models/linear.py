@@ -14,7 +14,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
-from kernels.int4_linear import int4_linear
+from kernels.int4_linear import dequantize_int4, int4_linear, repack_awq
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -51,8 +51,10 @@ class Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """4-bit weights in AutoAWQ's GEMM layout (see kernels/int4_linear.py): qweight [K, N/8],
-    qzeros [K/G, N/8], fp16 scales [K/G, N]; the bias stays in the model's dtype."""
+    """4-bit weights (see kernels/int4_linear.py), loaded in AutoAWQ's GEMM layout (qweight [K, N/8],
+    qzeros [K/G, N/8], fp16 scales [K/G, N]) and served, after repack(), in the kernels' runtime
+    layout: weight int32 [N, K/8], fp16 weight_zeros and weight_scales [N, K/G]. The bias stays in
+    the model's dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int) -> None:
         super().__init__()
@@ -61,9 +63,30 @@ class Int4Linear(nn.Module):
         self.qzeros = _frozen((in_features // group_size, out_features // 8), torch.int32)
         self.scales = _frozen((in_features // group_size, out_features), torch.float16)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.weight: nn.Parameter | None = None  # the runtime layout, from repack()
+        self.weight_zeros: nn.Parameter | None = None
+        self.weight_scales: nn.Parameter | None = None
+
+    def repack(self) -> None:
+        """Once every slice is loaded: the AWQ tensors become the runtime layout and are freed (one
+        copy of the weights at run time)."""
+        weight, zeros, scales = repack_awq(self.qweight, self.qzeros, self.scales)
+        del self.qweight, self.qzeros, self.scales
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_zeros = nn.Parameter(zeros, requires_grad=False)
+        self.weight_scales = nn.Parameter(scales, requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] in float16 (for tests and tools), from the runtime layout."""
+        return dequantize_int4(self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+        return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias)
+
+    def _runtime_weight(self) -> nn.Parameter:
+        if self.weight is None:
+            raise RuntimeError("Int4Linear is still in AWQ's checkpoint layout: call repack() once it is loaded.")
+        return self.weight
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf in ("qweight", "qzeros"):  # eight output features per int32: the slice is in packs

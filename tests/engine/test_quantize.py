@@ -72,7 +72,9 @@ def test_quantized_directory_loads_back_and_generates(tiny_with_tokenizer, tmp_p
 
     assert transformers.AutoConfig.from_pretrained(out).quantization_config["quant_method"] == "awq"
     quantized = load_model(out, torch.float32, CPU)
-    assert isinstance(quantized.layers[0].qkv_proj, Int4Linear)
+    qkv = quantized.layers[0].qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.weight.shape == (qkv.out_features, 64 // 8)  # repacked, N-major
+    assert not any(name.endswith(("qweight", "qzeros")) for name, _ in quantized.named_parameters())  # one copy
     assert len(_greedy(out)) == 8
     # Random tiny weights amplify any error (a real model's is far smaller): a sanity bound only.
     reference = prompt_logits(load_model(tiny_with_tokenizer, torch.float32, CPU), PROMPT)
@@ -84,9 +86,9 @@ def test_rtn_weights_are_within_half_a_step(tiny_with_tokenizer, tmp_path) -> No
     original, quantized = load_model(tiny_with_tokenizer, torch.float32, CPU), load_model(out, torch.float32, CPU)
     for a, b in zip(original.layers, quantized.layers):
         for linear in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            w, q = getattr(a, linear).weight.t(), getattr(b, linear)
-            step = q.scales.float().repeat_interleave(32, dim=0)
-            err = (dequantize_awq(q.qweight, q.qzeros, q.scales, 32).float() - w).abs()
+            w, q = getattr(a, linear).weight, getattr(b, linear)
+            step = q.weight_scales.float().repeat_interleave(32, dim=1)
+            err = (q.dequantize().float() - w).abs()
             assert (err <= 0.5 * step + 2e-3 * w.abs() + 1e-6).all(), linear
 
 
@@ -138,7 +140,7 @@ def test_hand_built_awq_checkpoint_fills_the_merged_slices(tiny_model_dir, tmp_p
     for a, b in zip(floats.layers, awq.layers):
         for name, (module, start, size) in layer_projections(floats.cfg, a).items():
             q = layer_projections(awq.cfg, b)[name][0]
-            deq = dequantize_awq(q.qweight, q.qzeros, q.scales, 32).float().t()
+            deq = q.dequantize().float()
             torch.testing.assert_close(deq[start:start + size], module.weight[start:start + size], msg=name)
             if module.bias is not None:
                 torch.testing.assert_close(q.bias[start:start + size], module.bias[start:start + size])

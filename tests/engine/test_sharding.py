@@ -14,7 +14,6 @@ from engine.models.linear import Fp8Linear, Int4Linear
 from engine.models.llama import DecoderModel
 from engine.models.shapes import shape_config
 from engine.models.sharding import ModelShard, split
-from kernels.int4_linear import dequantize_awq
 from tests.engine.test_quantize import _float_and_awq_by_hand
 
 CPU = torch.device("cpu")
@@ -66,7 +65,7 @@ def test_splits_that_cannot_be_made_are_refused(heads, kv_heads, size, quant, me
 def _dense(module: torch.nn.Module) -> torch.Tensor:
     """A linear layer's weight as float [out, in], whatever its format."""
     if isinstance(module, Int4Linear):
-        return dequantize_awq(module.qweight, module.qzeros, module.scales, module.group_size).float().t()
+        return module.dequantize().float()
     if isinstance(module, Fp8Linear):
         return module.weight.float() * module.weight_scale[:, None]
     return module.weight.float()

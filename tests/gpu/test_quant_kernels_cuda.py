@@ -9,7 +9,7 @@ import torch
 from kernels.fp8_linear import (
     fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
 )
-from kernels.int4_linear import int4_linear, int4_linear_ref, pack_awq
+from kernels.int4_linear import int4_linear, int4_linear_ref, pack_awq, repack_awq
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -21,12 +21,13 @@ ROWS = [1, 8, 64, 512]  # decode GEMV, decode few rows, prefill
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def awq_weight(in_features: int, out_features: int, group_size: int = 128) -> tuple[torch.Tensor, ...]:
-    """Random (qweight, qzeros, fp16 scales) on the GPU whose layer keeps O(1) activations O(1)."""
+def int4_weight(in_features: int, out_features: int, group_size: int = 128) -> tuple[torch.Tensor, ...]:
+    """Random runtime-layout (weight, zeros, fp16 scales) on the GPU whose layer keeps O(1) activations
+    O(1), made as the loader makes them: AWQ-packed, then repacked."""
     q = torch.randint(0, 16, (in_features, out_features), device="cuda")
     z = torch.randint(0, 16, (in_features // group_size, out_features), device="cuda")
     scales = (torch.rand(in_features // group_size, out_features, device="cuda") + 0.5) * 0.3 * in_features**-0.5
-    return pack_awq(q), pack_awq(z), scales.half()
+    return repack_awq(pack_awq(q), pack_awq(z), scales.half())
 
 
 def fp8_weight(in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,22 +38,22 @@ def fp8_weight(in_features: int, out_features: int) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_int4_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
-    qweight, qzeros, scales = awq_weight(*shape)
+    w4 = int4_weight(*shape)
     x = torch.randn(rows, shape[0], device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
-        out = int4_linear(x, qweight, qzeros, scales, 128)
+        out = int4_linear(x, *w4, 128)
     assert out.dtype == dtype
-    assert rel_err(out, int4_linear_ref(x, qweight, qzeros, scales, 128)) < 1e-2
+    assert rel_err(out, int4_linear_ref(x, *w4, 128)) < 1e-2
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_int4_linear_group_sizes(group_size: int, rows: int) -> None:
-    qweight, qzeros, scales = awq_weight(*SHAPES["qkv"], group_size)
+    w4 = int4_weight(*SHAPES["qkv"], group_size)
     x = torch.randn(rows, SHAPES["qkv"][0], device="cuda", dtype=torch.bfloat16)
     with nan_poisoned_allocations():
-        out = int4_linear(x, qweight, qzeros, scales, group_size)
-    assert rel_err(out, int4_linear_ref(x, qweight, qzeros, scales, group_size)) < 1e-2
+        out = int4_linear(x, *w4, group_size)
+    assert rel_err(out, int4_linear_ref(x, *w4, group_size)) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,13 +92,13 @@ def test_bias_and_batched_inputs(rows: int) -> None:
     in_features, out_features = SHAPES["qkv"]
     x = torch.randn(2, rows, in_features, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(out_features, device="cuda", dtype=torch.bfloat16)
-    qweight, qzeros, scales = awq_weight(in_features, out_features)
+    w4 = int4_weight(in_features, out_features)
     weight, scale = fp8_weight(in_features, out_features)
     with nan_poisoned_allocations():
-        int4_out = int4_linear(x, qweight, qzeros, scales, 128, bias)
+        int4_out = int4_linear(x, *w4, 128, bias)
         fp8_out = fp8_linear(x, weight, scale, bias)
     assert int4_out.shape == fp8_out.shape == (2, rows, out_features)
-    assert rel_err(int4_out, int4_linear_ref(x, qweight, qzeros, scales, 128, bias)) < 1e-2
+    assert rel_err(int4_out, int4_linear_ref(x, *w4, 128, bias)) < 1e-2
     assert rel_err(fp8_out, fp8_linear_ref(x, weight, scale, bias)) < 5e-2  # 2 x 64 rows: w8a8 on Hopper
 
 
@@ -106,12 +107,12 @@ def test_bias_and_batched_inputs(rows: int) -> None:
 def test_decode_kernels_replay_in_a_cuda_graph_with_new_inputs(rows: int) -> None:
     """Captured once (split-K partials and their sum included), replayed after x changes."""
     in_features, out_features = SHAPES["down"]
-    qweight, qzeros, scales = awq_weight(in_features, out_features)
+    w4 = int4_weight(in_features, out_features)
     weight, scale = fp8_weight(in_features, out_features)
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        return int4_linear(x, qweight, qzeros, scales, 128), fp8_linear(x, weight, scale)
+        return int4_linear(x, *w4, 128), fp8_linear(x, weight, scale)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -120,5 +121,5 @@ def test_decode_kernels_replay_in_a_cuda_graph_with_new_inputs(rows: int) -> Non
         int4_out, fp8_out = step()
     x.copy_(torch.randn_like(x))
     graph.replay()
-    assert rel_err(int4_out, int4_linear_ref(x, qweight, qzeros, scales, 128)) < 1e-2
+    assert rel_err(int4_out, int4_linear_ref(x, *w4, 128)) < 1e-2
     assert rel_err(fp8_out, fp8_linear_ref(x, weight, scale)) < 1e-2

@@ -1,12 +1,15 @@
-"""AWQ's 4-bit packing, and the Triton INT4 linear kernel against the torch reference on CPU through
-Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong)."""
+"""AWQ's 4-bit packing, its repacking into the runtime layout, and the Triton INT4 linear kernels
+against the torch reference on CPU through Triton's interpreter (float32 and float16; the
+interpreter gets bfloat16 wrong)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.int4_linear import (
-    AWQ_ORDER, AWQ_REVERSE_ORDER, dequantize_awq, int4_linear, int4_linear_ref, pack_awq, unpack_awq,
+    AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton, int4_linear,
+    int4_linear_ref, pack_awq,
+    pack_int4, repack_awq, unpack_awq, unpack_int4,
 )
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -14,13 +17,13 @@ DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def awq_weight(in_features: int, out_features: int, group_size: int,
-               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random (qweight, qzeros, fp16 scales) whose layer maps O(1) inputs to O(1) outputs."""
-    q = torch.randint(0, 16, (in_features, out_features), generator=gen)
-    z = torch.randint(0, 16, (in_features // group_size, out_features), generator=gen)
-    scales = (torch.rand(in_features // group_size, out_features, generator=gen) + 0.5) * 0.3 * in_features**-0.5
-    return pack_awq(q), pack_awq(z), scales.half()
+def int4_weight(in_features: int, out_features: int, group_size: int,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random runtime-layout (weight, zeros, fp16 scales) whose layer maps O(1) inputs to O(1) outputs."""
+    q = torch.randint(0, 16, (out_features, in_features), generator=gen)
+    zeros = torch.randint(0, 16, (out_features, in_features // group_size), generator=gen).half()
+    scales = (torch.rand(out_features, in_features // group_size, generator=gen) + 0.5) * 0.3 * in_features**-0.5
+    return pack_int4(q), zeros, scales.half()
 
 
 # ---- the layout (torch only) --------------------------------------------------------------------
@@ -60,40 +63,93 @@ def test_dequantize_is_q_minus_zero_times_scale_per_group() -> None:
             assert w[i, j].item() == ((q[i, j] - z[i // group, j]).half() * s[i // group, j]).item()
 
 
-# ---- the Triton kernel (interpreter) ------------------------------------------------------------
+def test_runtime_packing_puts_k_in_natural_nibble_order() -> None:
+    values = torch.randint(0, 16, (3, 24), generator=torch.Generator().manual_seed(5))
+    packed = pack_int4(values)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 3)
+    assert torch.equal(unpack_int4(packed), values.int())
+    for c in range(3):
+        assert (packed[1, c].item() >> 4 * 5) & 0xF == values[1, 8 * c + 5]  # k = 8c + j in nibble j
+
+
+@pytest.mark.parametrize(("in_features", "out_features", "group_size"), [(256, 40, 32), (576, 24, 64), (1024, 16, 128)])
+def test_repacked_awq_dequantizes_to_the_same_weights(in_features, out_features, group_size) -> None:
+    gen = torch.Generator().manual_seed(in_features)
+    q = torch.randint(0, 16, (in_features, out_features), generator=gen)
+    z = torch.randint(0, 16, (in_features // group_size, out_features), generator=gen)
+    s = torch.rand(in_features // group_size, out_features, generator=gen).half()
+    weight, zeros, scales = repack_awq(pack_awq(q), pack_awq(z), s)
+    assert weight.shape == (out_features, in_features // 8) and weight.dtype == torch.int32
+    assert zeros.shape == scales.shape == (out_features, in_features // group_size)
+    assert zeros.dtype == scales.dtype == torch.float16
+    assert torch.equal(unpack_int4(weight), q.t().int())
+    assert torch.equal(dequantize_int4(weight, zeros, scales, group_size),
+                       dequantize_awq(pack_awq(q), pack_awq(z), s, group_size).t())
+
+
+# ---- the Triton kernels (interpreter) -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, 33], ids=["gemv", "few-rows", "gemm"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 17, 40], ids=["gemv", "few-rows", "gemm-17", "gemm-40"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, rows, with_bias) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + group_size)
-    in_features, out_features = 256, 200  # 200: the last column tile is partial
-    qweight, qzeros, scales = awq_weight(in_features, out_features, group_size, gen)
+    in_features, out_features = 256, 200  # 200: the last feature tile is partial
+    weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     with nan_poisoned_allocations():
-        out = int4_linear(x, qweight, qzeros, scales, group_size, bias)
+        out = int4_linear(x, weight, zeros, scales, group_size, bias)
     # float32: against exact dequantization (the reference rounds W to the scales' float16).
-    ref = int4_linear_ref(x, qweight, qzeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
+    ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40, 70])
+def test_int4_linear_masks_a_partial_k_tile(triton_interpreter, dtype, rows) -> None:
+    # SmolLM2's hidden size with groups of 64: 4.5 K tiles of 128 for the GEMM.
+    gen = torch.Generator().manual_seed(rows)
+    weight, zeros, scales = int4_weight(576, 72, 64, gen)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    bias = torch.randn(72, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        out = int4_linear(x, weight, zeros, scales, 64, bias)
+    ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias)
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int4_linear_takes_batched_and_strided_inputs(triton_interpreter, rows) -> None:
     gen = torch.Generator().manual_seed(3)
-    qweight, qzeros, scales = awq_weight(64, 64, 32, gen)
+    weight, zeros, scales = int4_weight(64, 64, 32, gen)  # K = 64: half a K tile of the GEMM
     wide = torch.randn(2, rows, 96, generator=gen)
     x = wide[..., 16:80]  # [2, rows, 64], rows 96 apart
     with nan_poisoned_allocations():
-        out = int4_linear(x, qweight, qzeros, scales, 32)
+        out = int4_linear(x, weight, zeros, scales, 32)
     assert out.shape == (2, rows, 64)
-    torch.testing.assert_close(out, int4_linear_ref(x, qweight, qzeros, scales.float(), 32), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(out, int4_linear_ref(x, weight, zeros, scales.float(), 32), **TOLERANCE[torch.float32])
 
 
 def test_int4_linear_rejects_a_group_size_that_does_not_tile_k(triton_interpreter) -> None:
-    qweight, qzeros, scales = awq_weight(96, 8, 32, torch.Generator().manual_seed(4))
+    weight, zeros, scales = int4_weight(96, 8, 32, torch.Generator().manual_seed(4))
     with pytest.raises(ValueError, match="group size"):
-        int4_linear(torch.randn(1, 96), qweight, qzeros[:2], scales[:2], 48)
+        int4_linear(torch.randn(1, 96), weight, zeros[:, :2], scales[:, :2], 48)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("in_features", "out_features", "group_size"), [(576, 40, 64), (256, 33, 32)])
+def test_prefill_dequantizes_with_triton_then_multiplies(triton_interpreter, dtype, in_features, out_features,
+                                                         group_size) -> None:
+    """Past GEMM_ROWS rows the weight is dequantized by a Triton kernel (ragged tiles on both axes)."""
+    gen = torch.Generator().manual_seed(4)
+    weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
+    exact = scales.to(torch.promote_types(dtype, scales.dtype))  # float32: no rounding of W to float16
+    torch.testing.assert_close(dequantize_int4_triton(weight, zeros, scales, group_size, dtype),
+                               dequantize_int4(weight, zeros, exact, group_size).to(dtype), rtol=0, atol=0)
+    x = torch.randn(GEMM_ROWS + 3, in_features, generator=gen).to(dtype)
+    torch.testing.assert_close(int4_linear(x, weight, zeros, scales, group_size),
+                               int4_linear_ref(x, weight, zeros, exact, group_size), **TOLERANCE[dtype])
