@@ -227,8 +227,13 @@ def _awq_layer(layer: DecoderLayer, cfg: ModelConfig, inputs: dict[str, torch.Te
 
 
 @torch.no_grad()
-def awq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int, clip: bool = True) -> None:
-    """Fold AWQ's scales into a float model in place, and clip its weights, layer by layer."""
+def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, feed_changed: bool,
+                    change: Callable[[DecoderLayer, dict[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]], None]
+                    ) -> None:
+    """Run the calibration batch through the model one layer at a time: capture the inputs of the
+    layer's linear layers, let `change` rewrite the layer (given them and a function running its
+    attention block), and feed the next layer this layer's output from after the change
+    (feed_changed) or from before it."""
     batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
     # Tiny activations times tiny weights make denormals, which are many times slower on CPUs.
     torch.set_flush_denormal(True)
@@ -241,19 +246,26 @@ def awq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: i
                          lambda _m, args, name=name: inputs.__setitem__(name, args[0].float()))
                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
             try:
-                # The next layer sees this float layer's output, as in AutoAWQ (feeding it the
-                # quantized layer's output instead did worse here: perplexity 10.3 against 10.0).
-                hidden, residual = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta,
-                                         model.cos_sin)
+                out = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
             finally:
                 for hook in hooks:
                     hook.remove()
-            _awq_layer(layer, model.cfg, inputs, group_size, clip, functools.partial(
-                layer.self_attention, batch.positions, kv_cache=batch.kv_cache[0], meta=batch.meta,
-                cos_sin=model.cos_sin))
-            log.info("AWQ layer %d/%d: %.1f s", i + 1, model.cfg.num_layers, time.monotonic() - start)
+            change(layer, inputs, functools.partial(layer.self_attention, batch.positions, kv_cache=batch.kv_cache[0],
+                                                    meta=batch.meta, cos_sin=model.cos_sin))
+            if feed_changed:
+                out = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
+            hidden, residual = out
+            log.info("%s layer %d/%d: %.1f s", what, i + 1, model.cfg.num_layers, time.monotonic() - start)
     finally:
         torch.set_flush_denormal(False)
+
+
+def awq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int, clip: bool = True) -> None:
+    """Fold AWQ's scales into a float model in place, and clip its weights, layer by layer. The next
+    layer sees the float layer's output, as in AutoAWQ (feeding it the quantized layer's output
+    instead did worse here: perplexity 10.3 against 10.0)."""
+    _layer_by_layer(model, sequences, "AWQ", False, lambda layer, inputs, attention: _awq_layer(
+        layer, model.cfg, inputs, group_size, clip, attention))
 
 
 @contextlib.contextmanager
@@ -314,32 +326,15 @@ def _fp8_gptq(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return gptq_round(weight, 2 * x.t() @ x / x.shape[0], nearest)
 
 
-@torch.no_grad()
 def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
     """Replace each decoder linear weight by its GPTQ-rounded FP8 values (dequantized, in place),
     layer by layer, each layer's Hessians taken from the quantized layers before it."""
-    batch = pack_sequences(model, sequences, num_layers=1)
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    torch.set_flush_denormal(True)  # as in awq_calibrate
-    try:
-        hidden, residual = model.embed_tokens(batch.input_ids), None
-        for i, layer in enumerate(model.layers):
-            start = time.monotonic()
-            inputs: dict[str, torch.Tensor] = {}
-            hooks = [getattr(layer, name).register_forward_pre_hook(
-                         lambda _m, args, name=name: inputs.__setitem__(name, args[0].float())) for name in names]
-            try:
-                layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            for name in names:
-                weight = getattr(layer, name).weight
-                weight.copy_(_fp8_gptq(weight, inputs[name]))
-            hidden, residual = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
-            log.info("GPTQ (FP8) layer %d/%d: %.1f s", i + 1, model.cfg.num_layers, time.monotonic() - start)
-    finally:
-        torch.set_flush_denormal(False)
+    def change(layer: DecoderLayer, inputs: dict[str, torch.Tensor], _attention: object) -> None:
+        for name, x in inputs.items():
+            weight = getattr(layer, name).weight
+            weight.copy_(_fp8_gptq(weight, x))
+
+    _layer_by_layer(model, sequences, "GPTQ (FP8)", True, change)
 
 
 # ---- the checkpoint --------------------------------------------------------------------------------
