@@ -9,7 +9,7 @@ import torch
 from kernels.fp8_linear import (
     fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
 )
-from kernels.int4_linear import int4_linear, int4_linear_ref, pack_awq, repack_awq
+from kernels.int4_linear import GEMM_ROWS, int4_linear, int4_linear_ref, pack_awq, repack_awq
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -44,6 +44,13 @@ def test_int4_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> N
         out = int4_linear(x, *w4, 128)
     assert out.dtype == dtype
     assert rel_err(out, int4_linear_ref(x, *w4, 128)) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [SHAPES["o"], SHAPES["down"]], ids=["o", "down"])
+def test_int4_large_prefill_dequantizes_then_multiplies(shape: tuple[int, int]) -> None:
+    w4 = int4_weight(*shape)
+    x = torch.randn(GEMM_ROWS + 77, shape[0], device="cuda", dtype=torch.bfloat16)
+    assert rel_err(int4_linear(x, *w4, 128), int4_linear_ref(x, *w4, 128)) < 1e-2
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
