@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import (Floor, build_hf_model, copy_bandwidth, hf_static_decode, log, minillm_decode,  # noqa: E402
-                       random_prompts, release, slug)
+                       model_floor, random_prompts, release, slug)
 from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -105,10 +105,7 @@ def bench_transformers(args: argparse.Namespace, shape: str, bytes_per_s: float 
     model = build_hf_model(shape, torch.bfloat16 if args.device == "cuda" else torch.float32, device, args.seed)
     try:
         vocab, rows = model.config.vocab_size, []
-        weights = sum(t.numel() * t.element_size() for t in model.parameters())
-        kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
-            (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
-        floor = Floor(bytes_per_s, weights, kv_per_token) if bytes_per_s else None
+        floor = model_floor(shape, model.dtype, bytes_per_s) if bytes_per_s else None
         for batch in args.batches:
             d = hf_static_decode(model, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
                                  args.new_tokens, args.decode_cap_s)
