@@ -6,12 +6,16 @@ calls them unconditionally.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("minillm.engine")
 
 # NVLink multicast (NVLS) can take shared GPUs out of service; it stays off wherever ranks start.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -80,6 +84,14 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_file: 
     return TensorParallel(rank, size)
 
 
-def close_tensor_parallel(tp: TensorParallel) -> None:
-    if tp.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def close_tensor_parallel(tp: TensorParallel, timeout_s: float = 30.0) -> None:
+    """Leave the group. NCCL's teardown is collective: every rank must call this at about the same
+    time (a rank destroying alone waits for the others forever), so a rank that is gone is waited
+    for only timeout_s, and the process exits without it."""
+    if tp.size == 1 or not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="minillm-tp-close", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("rank %d: the tensor-parallel group did not close in %.0f s; leaving it", tp.rank, timeout_s)

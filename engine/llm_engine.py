@@ -12,7 +12,6 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.distributed import close_tensor_parallel
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
@@ -95,7 +94,6 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-            close_tensor_parallel(self.tp)
 
     def _load_tokenizer(self, model_dir: Path | None) -> Tokenizer | None:
         """--tokenizer's directory, else the model's; a random-weight model may have none."""

@@ -138,6 +138,7 @@ class Workers:
             self._conns.append(ours)
             self._procs.append(proc)
         self._closing = False
+        self.tp: TensorParallel | None = None  # rank 0's group, once it is joined
         threading.Thread(target=self._watch, name="minillm-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's own exit handler kills them
 
@@ -147,7 +148,8 @@ class Workers:
             conn.send_bytes(data)
 
     def close(self) -> None:
-        """Stop the other ranks (they leave their loop at the next message) and wait for them."""
+        """Stop the other ranks (they leave their loop at the next message), leave the group with
+        them (at the same time: NCCL's teardown is collective) and wait for them."""
         if self._closing:
             return
         self._closing = True
@@ -155,6 +157,8 @@ class Workers:
             self.send(None)
         except OSError:  # a rank already gone
             pass
+        if self.tp is not None:
+            close_tensor_parallel(self.tp)
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():
@@ -221,7 +225,8 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[TensorParallel, Workers
     workers = Workers(config)
     device = rank_device(device, 0)
     try:
-        return init_tensor_parallel(0, workers.size, device, workers.init_file), workers, device
+        workers.tp = init_tensor_parallel(0, workers.size, device, workers.init_file)
+        return workers.tp, workers, device
     except BaseException:
         workers.close()
         raise

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -53,6 +54,7 @@ def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
     for (_, a), (_, b) in zip(got, expected):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
     assert not multiprocessing.active_children()  # close() stopped the other rank
+    assert not torch.distributed.is_initialized()  # and left the group with it
 
 
 @pytest.mark.parametrize(("size", "error", "message"), [
