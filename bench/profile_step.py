@@ -2,6 +2,7 @@
 alone, and the replay's kernels by total time (torch.profiler). Not a benchmark of record.
 
     python3 bench/profile_step.py --model random:llama-3.2-1b --batches 1 8 64
+    python3 bench/profile_step.py --batches 1 --quantization int4 --host-profile   # an RTN checkpoint of the shape
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import cProfile
 import io
 import pstats
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu import int4_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.loader import RANDOM_PREFIX  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -29,8 +33,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
+    parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches)))
+    model, quantization = args.model, args.quantization
+    tmp = tempfile.TemporaryDirectory()
+    if quantization == "int4":
+        model, quantization = str(int4_checkpoint(args.model.removeprefix(RANDOM_PREFIX), 0, torch.device("cuda"),
+                                                  Path(tmp.name))), None
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches),
+                                    quantization=quantization))
     engine.warm_up()
     for batch in args.batches:
         params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 20, ignore_eos=True)  # timed steps, then profiled ones

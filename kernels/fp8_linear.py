@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
-from kernels.int4_linear import matmul_config, split_k_for, store_tile, sum_splits, tile_coords
+from kernels.int4_linear import matmul_config, split_k_for, split_workspace, store_tile, tile_coords
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -43,7 +43,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 @triton.jit
 def _fp8_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
@@ -74,7 +74,7 @@ def _fp8_matmul_kernel(
             else:
                 acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0) * 256.0
-    store_tile(acc * scale[None, :], out_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    store_tile(acc * scale[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -132,17 +132,14 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     block_k = 64
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, triton.cdiv(in_features, block_k), in_features, x.device)
-    if split_k == 1:
-        dest = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    else:
-        dest = torch.empty(split_k, rows, out_features, dtype=torch.float32, device=x.device)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    part, counts = split_workspace(split_k, rows, out_features, num_tiles, x.device) if split_k > 1 else (out, out)
     _fp8_matmul_kernel[(num_tiles, split_k)](
-        x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, dest,
+        x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
         rows, out_features, in_features, x2.stride(0), weight.stride(0), per_split,
         HAS_BIAS=bias is not None, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
         **cfg,
     )
-    out = dest if split_k == 1 else sum_splits(dest, bias, x.dtype)
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -18,17 +18,18 @@ G is a multiple of 8, so the eight weights of a word share one group.
 
 Kernels for x @ W.T, each reading a packed int32 once and dequantizing in registers (float32
 accumulation), by the number of rows M:
-  - M = 1 (decode): a GEMV on CUDA cores; a program owns BLOCK_N output features and walks K one
-    group at a time, one nibble "plane" (the j-th of every word) at a time, with 2-D tensors only;
+  - M = 1 (decode): a GEMV on CUDA cores; a program owns 4 output features and walks K 1,024
+    input features at a time, each word repeated 8 times in registers so that x is read contiguously;
   - 1 < M <= GEMM_ROWS (decode batches, prefill chunks): a tl.dot GEMM whose weight tile
     [BLOCK_N, BLOCK_K] is each word interleaved 8 times along K and shifted per column;
   - M > GEMM_ROWS: the weight dequantized into x's dtype by a third kernel, then cuBLAS.
 On an H200, per Llama-3.2-1B layer (bench: the four projections, bf16 activations), against the
-kernels over AWQ's own K-major layout: 58 against 82 us at M = 1 (bf16 cuBLAS: 65), 72 against 96 at
+kernels over AWQ's own K-major layout: 58 against 82 us at M = 1 (bf16 cuBLAS: 65; the GEMV above
+has since taken it to 44, with L2 flushed before each call), 72 against 96 at
 M = 8, 107 against 130 at M = 64, 344 against 702 at M = 512, 628 (dequantize + cuBLAS) against
 1,952 at M = 2,048.
-The GEMV and the GEMM split K when the output tiles alone would leave SMs idle; a second kernel then
-sums the splits' float32 partials (and adds the bias).
+The GEMM splits K when the output tiles alone would leave SMs idle; the last split of each output
+tile to finish sums the splits' float32 partials (and adds the bias), in the same kernel.
 """
 from __future__ import annotations
 
@@ -137,17 +138,27 @@ def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
 
 
 @triton.jit
-def store_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] float32 result: final (bias added, in out's dtype) without split-K,
-    else this split's float32 partial, summed later by _sum_splits_kernel."""
+def store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] float32 result in out's dtype, bias added. With split-K, each split
+    stores its float32 partial and counts itself in at its tile's counter; the last split to arrive
+    sums the partials and writes the output (no second kernel: a launch less per projection) and
+    sets the counter back to zero for the next call (CUDA graph replays included)."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * M * N + offs, acc, mask=mask)
+    if SPLIT_K > 1:
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * N + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count says so (release below)
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        mask = mask & last
+        acc = tl.zeros_like(acc)
+        for split in range(SPLIT_K):  # .cg: from L2, where the other SMs' partials are
+            acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tl.program_id(0), 0, mask=last)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,36 +170,44 @@ def _nibbles(packed, shifts):
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr,
-    N, K, stride_w, stride_g, groups_per_split,
-    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
+    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    # One row. Per group, the program's [BLOCK_N, G/8] words are taken one nibble plane at a time:
-    # plane j holds k = 8c + j, so it meets x[8c + j] along the words (2-D only: no reshapes).
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (the weight's rows), as in the GEMM
-    col_ok = cols < N
+    # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
+    # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
+    # contiguously, as in the GEMM below; products are summed per group, then scaled.
     PACKS: tl.constexpr = GROUP // 8
-    packs = tl.arange(0, PACKS)
-    acc = tl.zeros([BLOCK_N, PACKS], dtype=tl.float32)
-    for g in range(split * groups_per_split, tl.minimum((split + 1) * groups_per_split, K // GROUP)):
-        p = tl.load(w_ptr + cols[:, None] * stride_w + g * PACKS + packs[None, :], mask=col_ok[:, None], other=0)
-        # The zero point biased by 2**23 like _nibbles' q.
-        z = tl.load(zeros_ptr + cols * stride_g + g, mask=col_ok, other=0.0).to(tl.float32) + 8388608.0
-        s = tl.load(scales_ptr + cols * stride_g + g, mask=col_ok, other=0.0).to(tl.float32)
-        xb = x_ptr + g * GROUP + packs * 8
-        part = tl.load(xb).to(tl.float32)[None, :] * (_nibbles(p, 0) - z[:, None])
-        for j in tl.static_range(1, 8):
-            part += tl.load(xb + j).to(tl.float32)[None, :] * (_nibbles(p, 4 * j) - z[:, None])
-        acc += part * s[:, None]  # the group's scale once per word
-    res = tl.sum(acc, axis=1)
-    store_tile(tl.reshape(res, (1, BLOCK_N)), out_ptr, bias_ptr, tl.arange(0, 1), cols, 1, N, HAS_BIAS, SPLIT_K)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    gs = tl.arange(0, GROUPS)
+    ks = tl.arange(0, GROUP)
+    shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
+    g_rows = rows.to(tl.int64)[:, None] * stride_g
+    num_groups = K // GROUP
+    acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
+    for g0 in range(0, num_groups, GROUPS):
+        g = g0 + gs
+        g_ok = g < num_groups
+        ok = row_ok[:, None] & g_ok[None, :]
+        p = tl.load(w_rows + (g * PACKS)[None, :, None] + tl.arange(0, PACKS)[None, None, :], mask=ok[:, :, None],
+                    other=0)
+        p = tl.interleave(p, p)
+        p = tl.interleave(p, p)
+        p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
+        z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32) + 8388608.0  # as _nibbles
+        s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_w, stride_g, group_size, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
@@ -219,7 +238,7 @@ def _int4_matmul_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    store_tile(acc, out_ptr, bias_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -255,27 +274,18 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
     return out
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
-def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """[SPLIT_K, M, N] float32 partial products → their sum (+ bias) [M, N] in `dtype`."""
-    split_k, rows, cols = part.shape
-    out = torch.empty(rows, cols, dtype=dtype, device=part.device)
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(rows * cols, block),)](
-        part, bias, out, rows, cols, SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block)
-    return out
+def split_workspace(split_k: int, rows: int, cols: int, tiles: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """store_tile's split-K buffers: the float32 partials [SPLIT_K, rows, cols] and the device's
+    per-tile arrival counters (zero between calls; kernels on one stream never overlap, so they
+    share them). The counters are made on the first call, which precedes any graph capture."""
+    counts = _TILE_COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return torch.empty(split_k, rows, cols, dtype=torch.float32, device=device), counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,18 +314,12 @@ def matmul_config(rows: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
-def gemv_config(out_features: int, in_features: int, group_size: int, device: torch.device
-                ) -> tuple[dict[str, int], int, int]:
-    """(meta, SPLIT_K, groups per split) of the one-row kernel, near the best of an H200 sweep at
-    Llama-3.2-1B's projections: BLOCK_N of 8-64 features, split K for about 8 programs per SM."""
-    block_n = min(64, max(8, triton.next_power_of_2(out_features // 128)))
-    tiles = triton.cdiv(out_features, block_n)
-    groups = in_features // group_size
-    split_k = max(1, min(groups, 8 * _sm_count(device) // tiles))
-    per_split = triton.cdiv(groups, split_k)
-    # Long K runs per program (down_proj) wanted 8 warps; wide tiles 2, small ones 4.
-    num_warps = 8 if per_split * group_size >= 1024 else 2 if block_n >= 32 else 4
-    return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=3), triton.cdiv(groups, per_split), per_split
+def gemv_config(in_features: int, group_size: int) -> dict[str, int]:
+    """The one-row kernel's tiling: 4 weight rows a program, 1,024 input features an iteration (the
+    best of an H200 sweep at Llama-3.2-1B's projections, L2 flushed: 43.8 us a layer against 50.2
+    for the split-K kernel it replaced)."""
+    groups = min(max(1, 1024 // group_size), triton.next_power_of_2(in_features // group_size))
+    return dict(ROWS=4, GROUPS=groups, num_warps=4, num_stages=1)
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -338,29 +342,23 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     if rows > GEMM_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
         w = dequantize_int4_triton(weight, zeros, scales, group_size, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 1:
-        cfg, split_k, per_split = gemv_config(out_features, in_features, group_size, x.device)
-        num_tiles = triton.cdiv(out_features, cfg["BLOCK_N"])
-    else:
-        cfg = matmul_config(rows)
-        block_k = min(group_size, 64)
-        num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
-        split_k, per_split = split_k_for(rows, num_tiles, in_features // block_k, in_features, x.device)
-    if split_k == 1:
-        dest = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    else:
-        dest = torch.empty(split_k, rows, out_features, dtype=torch.float32, device=x.device)
-    meta = dict(HAS_BIAS=bias is not None, SPLIT_K=split_k, **cfg)
-    if rows == 1:
-        _int4_gemv_kernel[(num_tiles, split_k)](
-            x2, weight, zeros, scales, bias, dest, out_features, in_features, weight.stride(0), zeros.stride(0),
-            per_split, GROUP=group_size, **meta)
-    else:
-        _int4_matmul_kernel[(num_tiles, split_k)](
-            x2, weight, zeros, scales, bias, dest, rows, out_features, in_features, x2.stride(0),
-            weight.stride(0), zeros.stride(0), group_size, per_split,
-            BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32, **meta)
-    out = dest if split_k == 1 else sum_splits(dest, bias, x.dtype)
+        cfg = gemv_config(in_features, group_size)
+        _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
+            x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
+            HAS_BIAS=bias is not None, GROUP=group_size, **cfg)
+        return out.view(*x.shape[:-1], out_features)
+    cfg = matmul_config(rows)
+    block_k = min(group_size, 64)
+    num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
+    split_k, per_split = split_k_for(rows, num_tiles, in_features // block_k, in_features, x.device)
+    part, counts = split_workspace(split_k, rows, out_features, num_tiles, x.device) if split_k > 1 else (out, out)
+    _int4_matmul_kernel[(num_tiles, split_k)](
+        x2, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x2.stride(0),
+        weight.stride(0), zeros.stride(0), group_size, per_split,
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32,
+        **cfg)
     return out.view(*x.shape[:-1], out_features)
 
 

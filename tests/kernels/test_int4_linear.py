@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from kernels.int4_linear import (
-    AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton, int4_linear,
-    int4_linear_ref, pack_awq,
-    pack_int4, repack_awq, unpack_awq, unpack_int4,
+    _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
+    int4_linear, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq, unpack_int4,
 )
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -106,6 +105,19 @@ def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, ro
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     assert out.dtype == dtype
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+def test_split_k_leaves_its_tile_counters_at_zero(triton_interpreter) -> None:
+    # The last split of each tile sums the partials and zeroes the tile's counter: the next call
+    # (or the next replay of a CUDA graph) counts from zero again and gives the same output.
+    gen = torch.Generator().manual_seed(7)
+    weight, zeros, scales = int4_weight(512, 64, 32, gen)
+    x = torch.randn(3, 512, generator=gen)
+    assert split_k_for(3, 1, 16, 512, x.device)[0] > 1
+    first = int4_linear(x, weight, zeros, scales, 32)
+    assert not _TILE_COUNTS[x.device].any()
+    torch.testing.assert_close(int4_linear(x, weight, zeros, scales, 32), first, rtol=0, atol=0)
+    torch.testing.assert_close(first, int4_linear_ref(x, weight, zeros, scales.float(), 32), **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
