@@ -281,10 +281,11 @@ def split_workspace(split_k: int, rows: int, cols: int, tiles: int, device: torc
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """store_tile's split-K buffers: the float32 partials [SPLIT_K, rows, cols] and the device's
     per-tile arrival counters (zero between calls; kernels on one stream never overlap, so they
-    share them). The counters are made on the first call, which precedes any graph capture."""
+    share them). The counters are made on the first call, which precedes any graph capture, and are
+    never outgrown: K is split only on grids of fewer than four programs per SM."""
     counts = _TILE_COUNTS.get(device)
     if counts is None or counts.numel() < tiles:
-        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
     return torch.empty(split_k, rows, cols, dtype=torch.float32, device=device), counts
 
 
