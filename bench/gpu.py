@@ -546,6 +546,14 @@ def markdown_table(rows: list[Row], models: list[str]) -> str:
     return "\n".join(lines)
 
 
+def with_profile(args: argparse.Namespace, profiles: dict[str, dict[str, Any]]) -> argparse.Namespace:
+    """Options left unset take the run's profile's values ("smoke" with --smoke, else "full")."""
+    for key, value in profiles["smoke" if args.smoke else "full"].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     names = lambda s: [x.removeprefix(RANDOM_PREFIX) for x in s.split(",") if x]  # noqa: E731
@@ -569,10 +577,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quant-batches", type=ints, help="decode batches of the quantized runs (default 1,8)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, small batches, few tokens: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>.json)")
-    args = p.parse_args(argv)
-    for key, value in PROFILES["smoke" if args.smoke else "full"].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    args = with_profile(p.parse_args(argv), PROFILES)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2: the first token comes from the prefill")
     return args

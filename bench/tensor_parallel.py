@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import (Floor, build_hf_model, copy_bandwidth, hf_static_decode, log, minillm_decode,  # noqa: E402
-                       model_floor, random_prompts, release, slug)
+                       model_floor, random_prompts, release, slug, with_profile)
 from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -160,10 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--transformers", action="store_true", help="also transformers-static on one GPU, same weights")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few tokens: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>-tp.json)")
-    args = p.parse_args(argv)
-    for key, value in PROFILES["smoke" if args.smoke else "full"].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    args = with_profile(p.parse_args(argv), PROFILES)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError

@@ -122,7 +122,8 @@ class Workers:
     A rank that dies leaves the others waiting in a collective forever, so a watchdog ends this
     process too (its supervisor restarts the server)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        """Start ranks 1..N-1, then join their group as rank 0 on `device`."""
         self.size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="minillm-tp-")
         self.init_file = os.path.join(self._dir, "rendezvous")
@@ -138,9 +139,14 @@ class Workers:
             self._conns.append(ours)
             self._procs.append(proc)
         self._closing = False
-        self.tp: TensorParallel | None = None  # rank 0's group, once it is joined
+        self.tp = SINGLE  # rank 0's group, once joined
         threading.Thread(target=self._watch, name="minillm-tp-watchdog", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's own exit handler kills them
+        try:
+            self.tp = init_tensor_parallel(0, self.size, device, self.init_file)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, step: StepInputs | None) -> None:
         data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
@@ -157,8 +163,7 @@ class Workers:
             self.send(None)
         except OSError:  # a rank already gone
             pass
-        if self.tp is not None:
-            close_tensor_parallel(self.tp)
+        close_tensor_parallel(self.tp)
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():
@@ -222,11 +227,6 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[TensorParallel, Workers
     device = config.torch_device()
     if config.tensor_parallel_size == 1:
         return SINGLE, None, device
-    workers = Workers(config)
     device = rank_device(device, 0)
-    try:
-        workers.tp = init_tensor_parallel(0, workers.size, device, workers.init_file)
-        return workers.tp, workers, device
-    except BaseException:
-        workers.close()
-        raise
+    workers = Workers(config, device)
+    return workers.tp, workers, device

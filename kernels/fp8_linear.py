@@ -133,7 +133,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, triton.cdiv(in_features, block_k), in_features, x.device)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    part, counts = split_workspace(split_k, rows, out_features, num_tiles, x.device) if split_k > 1 else (out, out)
+    part, counts = split_workspace(out, split_k, num_tiles)
     _fp8_matmul_kernel[(num_tiles, split_k)](
         x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
         rows, out_features, in_features, x2.stride(0), weight.stride(0), per_split,

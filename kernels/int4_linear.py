@@ -277,16 +277,18 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
 _TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
-def split_workspace(split_k: int, rows: int, cols: int, tiles: int, device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """store_tile's split-K buffers: the float32 partials [SPLIT_K, rows, cols] and the device's
-    per-tile arrival counters (zero between calls; kernels on one stream never overlap, so they
-    share them). The counters are made on the first call, which precedes any graph capture, and are
-    never outgrown: K is split only on grids of fewer than four programs per SM."""
-    counts = _TILE_COUNTS.get(device)
+def split_workspace(out: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """store_tile's split-K buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols]
+    and the device's per-tile arrival counters (zero between calls; kernels on one stream never
+    overlap, so they share them). The counters are made on the first call, which precedes any graph
+    capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
+    Without split-K neither is read: `out` stands in for both."""
+    if split_k == 1:
+        return out, out
+    counts = _TILE_COUNTS.get(out.device)
     if counts is None or counts.numel() < tiles:
-        counts = _TILE_COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-    return torch.empty(split_k, rows, cols, dtype=torch.float32, device=device), counts
+        counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device), counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,7 +356,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     block_k = min(group_size, 64)
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, in_features // block_k, in_features, x.device)
-    part, counts = split_workspace(split_k, rows, out_features, num_tiles, x.device) if split_k > 1 else (out, out)
+    part, counts = split_workspace(out, split_k, num_tiles)
     _int4_matmul_kernel[(num_tiles, split_k)](
         x2, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x2.stride(0),
         weight.stride(0), zeros.stride(0), group_size, per_split,

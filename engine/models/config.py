@@ -180,5 +180,6 @@ class ModelConfig:
                     f"AWQ group size {group_size} does not fit {name} ({k} input features, {n} output features): "
                     f"the input features must be a multiple of the group size and the outputs of 8.")
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, num_kv_heads: int | None = None) -> int:
+        """K and V of every layer for one token; num_kv_heads: a tensor-parallel rank's share."""
+        return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * dtype_bytes

@@ -99,8 +99,7 @@ class DecoderModel(nn.Module):
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes a token takes on this rank (its KV heads only)."""
-        cfg = self.cfg
-        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.embed_tokens.weight.element_size()
+        return self.cfg.kv_bytes_per_token(self.embed_tokens.weight.element_size(), self.num_kv_heads)
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute the cos/sin table on the model's device (after weights are in place)."""
