@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,8 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     # Grid: (rows, column blocks). Rows go on axis 0, the one without CUDA's 65535 limit.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +34,9 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()  # the model passes the gate/up matmul's fresh output: a no-op there
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(width), 1024)
-    _silu_mul_kernel[(x.numel() // (2 * width), triton.cdiv(width, block))](x, out, width, BLOCK=block)
+    pdl = programmatic_launch(x)
+    _silu_mul_kernel[(x.numel() // (2 * width), triton.cdiv(width, block))](x, out, width, BLOCK=block, PDL=pdl,
+                                                                            **launch_options(pdl))
     return out
 
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import launch_options, programmatic_launch, wait_for_previous_kernel
+
 
 @triton.jit
 def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, acc, scale,
@@ -49,8 +51,9 @@ def _decode_split_kernel(
     stride_c_blk, stride_c_pos, stride_c_kv,
     stride_tab,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,7 +85,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, num_heads,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -113,6 +117,7 @@ def decode_attention_triton(
     group = num_heads // num_kv
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    pdl = programmatic_launch(q)
     _decode_split_kernel[(batch, num_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale,
@@ -120,11 +125,13 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
+        **launch_options(pdl),
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2), PDL=pdl,
+        **launch_options(pdl),
     )
     return out

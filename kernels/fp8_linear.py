@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
-from kernels.int4_linear import matmul_config, split_k_for, split_workspace, store_tile, tile_coords
+from kernels.activation import silu_mul
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.int4_linear import (gemv_split, matmul_config, split_k_for, split_workspace, store_tile,
+                                 tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -46,8 +48,9 @@ def _fp8_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,28 +80,46 @@ def _fp8_matmul_kernel(
     store_tile(acc * scale[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
+# e4m3 byte j of a word, moved to the top 8 bits and shifted right (arithmetically) by 4: its sign
+# stays at bit 31 and its exponent and mantissa land on float32's bits 20..26. Masked with
+# SIGN_EXP_MAN that is the e4m3 value / 2**120, subnormals included (as float32 subnormals).
+SIGN_EXP_MAN = 0x87F00000 - 2**32  # as a signed int32: a kernel argument, so that ptxas keeps it in a register
+
+
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x against BLOCK_N rows of the weight, each read along K (contiguous) in long
-    BLOCK_K runs; the products pile up in a [BLOCK_N, BLOCK_K] tile, summed once at the end."""
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        w = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)  # as below
-        xk = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * xk[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(scale_ptr + cols, mask=col_ok, other=0.0) * 256.0
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * N + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, words_per_split, sign_exp_man,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row of x against ROWS weight rows, read as int32 words of four e4m3 bytes (split along K
+    when the rows alone leave SMs idle). Each thread keeps float32 sums per word it reads, reduced
+    once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
+    per step. With GATED, x holds [gate | up] (2K wide) and the input is SiLU(gate) * up."""
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    w_begin = tl.program_id(1) * words_per_split
+    w_end = tl.minimum(w_begin + words_per_split, K // 4)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([ROWS, BLOCK_W], dtype=tl.float32)
+    for c0 in range(w_begin, w_end, BLOCK_W):
+        c = c0 + tl.arange(0, BLOCK_W)
+        c_ok = c < w_end
+        p = tl.load(w_rows + c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
+        for j in tl.static_range(4):
+            if GATED:
+                gate = tl.load(x_ptr + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
+                xj = gate * tl.sigmoid(gate) * tl.load(x_ptr + K + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
+            else:
+                xj = tl.load(x_ptr + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
+            if j < 3:
+                t = p << (24 - 8 * j)
+            else:
+                t = p
+            acc += ((t >> 4) & sign_exp_man).to(tl.float32, bitcast=True) * xj[None, :]
+    y = tl.sum(acc, axis=1) * (tl.load(scale_ptr + rows, mask=row_ok, other=0.0) * 1.329227995784916e36)  # 2**120
+    store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
 
 
 def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -108,37 +129,45 @@ def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tens
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
+                      bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16).
+    gated: x is [..., 2K] holding gate then up, and the layer's input is SiLU(gate) * up (fused into
+    the one-row kernel; other row counts run kernels/activation.py first)."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    x2 = x.reshape(-1, in_features)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty(*x.shape[:-1], out_features)
-    if rows == 1:
-        # Decode at batch 1: 8 weight rows a program, 512 bytes of each per step (best of a sweep on
-        # the H200 at Llama-3.2-1B's projections: 1.1-1.4x bf16 F.linear, where the tiled kernel was 0.3-0.5x).
-        out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
-        _fp8_gemv_kernel[(1, triton.cdiv(out_features, 8))](
-            x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out,
-            out_features, in_features, x2.stride(0), weight.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_N=8, BLOCK_K=min(512, triton.next_power_of_2(in_features)), num_warps=8, num_stages=3)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    pdl = programmatic_launch(x)
+    if rows == 1 and in_features % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0:
+        # Decode at batch 1: 16 weight rows a program, 64 words (256 bytes) of each per step, split
+        # along K up to ~8 programs per SM (best of an H200 sweep at Llama-3.2-1B's projections).
+        words = weight.view(torch.uint8).view(torch.int32)
+        tiles = triton.cdiv(out_features, 16)
+        split_k, per_split = gemv_split(tiles, in_features // 4, 64, x.device)
+        part, counts = split_workspace(out, split_k, tiles)
+        _fp8_gemv_kernel[(tiles, split_k)](
+            x2, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
+            in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, GATED=gated,
+            ROWS=16, BLOCK_W=64, SPLIT_K=split_k, PDL=pdl, num_warps=4, num_stages=1, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
-    cfg = dict(BLOCK_M=1, BLOCK_N=128, num_warps=4) if rows == 1 else matmul_config(rows)
+    if gated:
+        x2 = silu_mul(x2)
+    cfg = matmul_config(rows)
     block_k = 64
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, triton.cdiv(in_features, block_k), in_features, x.device)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     part, counts = split_workspace(out, split_k, num_tiles)
     _fp8_matmul_kernel[(num_tiles, split_k)](
         x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
         rows, out_features, in_features, x2.stride(0), weight.stride(0), per_split,
         HAS_BIAS=bias is not None, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
-        **cfg,
+        PDL=pdl, **cfg, **launch_options(pdl),
     )
     return out.view(*x.shape[:-1], out_features)
 
@@ -181,11 +210,14 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """y = x @ W.T + bias for an FP8 weight: _scaled_mm for prefill where it runs, the Triton kernel
-    for decode (and under the interpreter), else the torch reference."""
+    for decode (and under the interpreter), else the torch reference. gated: x is [..., 2K], gate
+    then up, and the input is SiLU(gate) * up (fused into the one-row Triton kernel)."""
+    if gated and (x.numel() != x.shape[-1] or not use_triton(x)):
+        x, gated = silu_mul(x), False
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias)
-    if use_scaled_mm(x, weight):
+    if use_scaled_mm(x, weight):  # prefill-sized: never a gated row
         return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    return fp8_linear_triton(x, weight, weight_scale, bias)
+    return fp8_linear_triton(x, weight, weight_scale, bias, gated)

@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.activation import silu_mul
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a pack sits in nibble AWQ_REVERSE_ORDER[j]
@@ -171,11 +172,14 @@ def _nibbles(packed, shifts):
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
-    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
     # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
-    # contiguously, as in the GEMM below; products are summed per group, then scaled.
+    # contiguously, as in the GEMM below; products are summed per group, then scaled. With GATED,
+    # x is [gate | up] (2K wide) and the input is SiLU(gate) * up, computed as it is read.
+    wait_for_previous_kernel(PDL)
     PACKS: tl.constexpr = GROUP // 8
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
@@ -197,7 +201,10 @@ def _int4_gemv_kernel(
         p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
         z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32) + 8388608.0  # as _nibbles
         s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32)
-        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_offs = (g * GROUP)[:, None] + ks[None, :]
+        xt = tl.load(x_ptr + x_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        if GATED:
+            xt = xt * tl.sigmoid(xt) * tl.load(x_ptr + K + x_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -210,8 +217,9 @@ def _int4_matmul_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_w, stride_g, group_size, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -243,8 +251,9 @@ def _int4_matmul_kernel(
 
 @triton.jit
 def _int4_dequantize_kernel(w_ptr, zeros_ptr, scales_ptr, out_ptr, N, K, stride_w, stride_g, group_size,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """W [N, K] in out's dtype from the runtime layout, a [BLOCK_N, BLOCK_K] tile per program."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     words = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -268,9 +277,10 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
     out_features, words = weight.shape
     out = torch.empty(out_features, words * 8, dtype=dtype, device=weight.device)
     block_n, block_k = 32, 256
+    pdl = programmatic_launch(weight)
     _int4_dequantize_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(words * 8, block_k))](
         weight, zeros, scales, out, out_features, words * 8, weight.stride(0), zeros.stride(0), group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, **launch_options(pdl))
     return out
 
 
@@ -307,6 +317,18 @@ def split_k_for(rows: int, num_tiles: int, k_tiles: int, k: int, device: torch.d
     return triton.cdiv(k_tiles, per_split), per_split
 
 
+def gemv_split(tiles: int, words: int, block_w: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT_K, words per split) of a one-row kernel over `tiles` row tiles and `words` K-words a
+    row: a grid under four programs per SM is split along K to about eight (each split a whole
+    number of BLOCK_W steps); larger grids are not split (the H200 sweep's best, Llama-3.2-1B shapes)."""
+    sms = _sm_count(device)
+    if tiles >= 4 * sms:
+        return 1, words
+    split = max(1, min(triton.cdiv(8 * sms, tiles), words // block_w, 32))
+    per_split = triton.cdiv(triton.cdiv(words, split), block_w) * block_w
+    return triton.cdiv(words, per_split), per_split
+
+
 def matmul_config(rows: int) -> dict[str, int]:
     """Tile sizes of the dot kernels by batch rows: a few rows (decode: one 16-row tensor-core tile,
     split-K) or prefill (a tiled GEMM)."""
@@ -326,8 +348,10 @@ def gemv_config(in_features: int, group_size: int) -> dict[str, int]:
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
+                       group_size: int, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16). gated:
+    x is [..., 2K], gate then up, and the input is SiLU(gate) * up (fused into the one-row kernel;
+    other row counts run kernels/activation.py first)."""
     out_features, words = weight.shape
     in_features = words * 8
     if group_size < 16 or group_size & (group_size - 1) or in_features % group_size:
@@ -336,21 +360,24 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must both be "
                          f"[N, K / G] = [{out_features}, {in_features // group_size}]")
     weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
-    x2 = x.reshape(-1, in_features)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty(*x.shape[:-1], out_features)
+    if gated and rows != 1:
+        x2, gated = silu_mul(x2), False
     if rows > GEMM_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
         w = dequantize_int4_triton(weight, zeros, scales, group_size, x.dtype)
-        return torch.nn.functional.linear(x, w, bias)
+        return torch.nn.functional.linear(x2, w, bias).view(*x.shape[:-1], out_features)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    pdl = programmatic_launch(x)
     if rows == 1:
         cfg = gemv_config(in_features, group_size)
         _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
             x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-            HAS_BIAS=bias is not None, GROUP=group_size, **cfg)
+            HAS_BIAS=bias is not None, GATED=gated, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
@@ -361,14 +388,14 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         x2, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x2.stride(0),
         weight.stride(0), zeros.stride(0), group_size, per_split,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32,
-        **cfg)
+        PDL=pdl, **cfg, **launch_options(pdl))
     return out.view(*x.shape[:-1], out_features)
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """y = x @ W.T + bias for W in the runtime layout (see repack_awq); Triton where `use_triton`
-    says so, else the reference."""
+    says so, else the reference. gated: x is [..., 2K], gate then up, and the input is SiLU(gate) * up."""
     if use_triton(x):
-        return int4_linear_triton(x, weight, zeros, scales, group_size, bias)
-    return int4_linear_ref(x, weight, zeros, scales, group_size, bias)
+        return int4_linear_triton(x, weight, zeros, scales, group_size, bias, gated)
+    return int4_linear_ref(silu_mul(x) if gated else x, weight, zeros, scales, group_size, bias)

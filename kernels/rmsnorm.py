@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 
 def rms_norm_ref(
@@ -27,8 +27,9 @@ def rms_norm_ref(
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One program per row; the whole row stays in registers between the sum and the scaling.
     start = tl.program_id(0).to(tl.int64) * hidden
     cols = tl.arange(0, BLOCK)
@@ -58,9 +59,11 @@ def rms_norm_triton(
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
     block = triton.next_power_of_2(hidden)
+    pdl = programmatic_launch(x)
     _rms_norm_kernel[(x.numel() // hidden,)](
         x, residual, weight, out, new_residual, hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8), PDL=pdl,
+        **launch_options(pdl),
     )
     return out, new_residual
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -92,9 +92,10 @@ def _rope_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, q_out_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, q_out_stride_t, q_out_stride_h,
     cache_stride_slot, cache_stride_h, cos_sin_stride, num_heads, num_kv_heads, half,
-    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token: every q and k head rotated, k and v written at the token's slot.
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -142,12 +143,13 @@ def rope_store_kv_triton(
     cos_sin = cos_sin.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     half = head_dim // 2
+    pdl = programmatic_launch(q)
     _rope_store_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin, k_flat, v_flat, slot_mapping, q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
         k_flat.stride(0), k_flat.stride(1), cos_sin.stride(0), num_heads, num_kv, half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HALF=triton.next_power_of_2(half), PDL=pdl, **launch_options(pdl),
     )
     return q_out
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.activation import silu_mul_ref
+from kernels.dispatch import programmatic_launch, set_programmatic_launch
 from kernels.fp8_linear import (
     fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
 )
 from kernels.int4_linear import GEMM_ROWS, int4_linear, int4_linear_ref, pack_awq, repack_awq
+from kernels.rmsnorm import rms_norm
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -130,3 +133,55 @@ def test_decode_kernels_replay_in_a_cuda_graph_with_new_inputs(rows: int) -> Non
     graph.replay()
     assert rel_err(int4_out, int4_linear_ref(x, *w4, 128)) < 1e-2
     assert rel_err(fp8_out, fp8_linear_ref(x, weight, scale)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gated_down_projection(rows: int) -> None:
+    """down(SiLU(gate) * up) from [gate | up]: fused into the one-row kernels, activation-first otherwise."""
+    in_features, out_features = SHAPES["down"]
+    gate_up = torch.randn(rows, 2 * in_features, device="cuda", dtype=torch.bfloat16)
+    act = silu_mul_ref(gate_up)
+    w4 = int4_weight(in_features, out_features)
+    weight, scale = fp8_weight(in_features, out_features)
+    with nan_poisoned_allocations():
+        int4_out = int4_linear(gate_up, *w4, 128, gated=True)
+        fp8_out = fp8_linear(gate_up, weight, scale, gated=True)
+    assert rel_err(int4_out, int4_linear_ref(act, *w4, 128)) < 1e-2
+    assert rel_err(fp8_out, fp8_linear_ref(act, weight, scale)) < 1e-2
+
+
+@torch.inference_mode()
+def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
+    """A chain of our decode kernels, each reading the one before, in a CUDA graph: launched with
+    PDL (each kernel starts while the previous one finishes and waits for its writes) the output is
+    bit for bit the output without PDL."""
+    k, n = SHAPES["gate_up"]
+    w4_up, w4_down = int4_weight(k, n), int4_weight(n // 2, k)
+    fp8_up, fp8_down = fp8_weight(k, n), fp8_weight(n // 2, k)
+    norm = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    h = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        x, residual = rms_norm(h, norm, 1e-5)
+        x = int4_linear(int4_linear(x, *w4_up, 128), *w4_down, 128, gated=True)
+        x, residual = rms_norm(x, norm, 1e-5, residual)
+        return fp8_linear(fp8_linear(x, *fp8_up), *fp8_down, gated=True) + residual
+
+    outputs = []
+    try:
+        for enabled in (False, True):
+            set_programmatic_launch(enabled)
+            assert programmatic_launch(h) == enabled
+            chain()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            outputs.append(out.clone())
+    finally:
+        set_programmatic_launch(False)
+    assert torch.isfinite(outputs[0]).all()
+    assert torch.equal(outputs[0], outputs[1])

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.activation import silu_mul_ref
 from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
+from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -67,3 +69,26 @@ def test_fp8_linear_takes_batched_strided_inputs_and_a_per_tensor_scale(triton_i
         out = fp8_linear(x, weight, scale)
     assert out.shape == (2, 3, 48)
     torch.testing.assert_close(out, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["fused", "activation-first"])
+def test_fp8_linear_gated_applies_silu_mul_to_its_input(triton_interpreter, rows) -> None:
+    # The down projection takes [gate | up] and multiplies SiLU(gate) * up; one row fuses it.
+    gen = torch.Generator().manual_seed(5)
+    weight, scale = quantize_fp8(torch.randn(40, 96, generator=gen) * 96**-0.5)
+    gate_up = torch.randn(rows, 192, generator=gen)
+    with nan_poisoned_allocations():
+        out = fp8_linear(gate_up, weight, scale, gated=True)
+    torch.testing.assert_close(out, fp8_linear_ref(silu_mul_ref(gate_up), weight, scale), **TOLERANCE[torch.float32])
+
+
+def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter) -> None:
+    # 48 rows are 3 row tiles: far under four programs per SM, so K (1,024: 256 words) is split.
+    gen = torch.Generator().manual_seed(6)
+    weight, scale = quantize_fp8(torch.randn(48, 1024, generator=gen) * 1024**-0.5)
+    x = torch.randn(1, 1024, generator=gen)
+    assert gemv_split(3, 256, 64, x.device)[0] == 4
+    first = fp8_linear(x, weight, scale)
+    assert not _TILE_COUNTS[x.device].any()
+    torch.testing.assert_close(fp8_linear(x, weight, scale), first, rtol=0, atol=0)
+    torch.testing.assert_close(first, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
