@@ -26,7 +26,7 @@ from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import num_splits_for
-from kernels.dispatch import set_programmatic_launch, to_device
+from kernels.dispatch import to_device
 
 log = logging.getLogger("minillm.engine")
 
@@ -114,9 +114,6 @@ class ModelRunner:
         """`publish`, on rank 0 under tensor parallelism, sends each step to the other ranks."""
         cfg = model.cfg
         self.model = model
-        # Quantized layers run our kernels back to back, where launching each while the previous one
-        # finishes pays (kernels/dispatch.py); between cuBLAS GEMMs (bf16) it does not.
-        set_programmatic_launch(model.quant is not None)
         self.publish = publish
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device

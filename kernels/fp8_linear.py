@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_mul
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.int4_linear import (gemv_split, matmul_config, split_k_for, split_workspace, store_tile,
                                  tile_coords)
@@ -89,13 +88,12 @@ SIGN_EXP_MAN = 0x87F00000 - 2**32  # as a signed int32: a kernel argument, so th
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, words_per_split, sign_exp_man,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, read as int32 words of four e4m3 bytes (split along K
     when the rows alone leave SMs idle). Each thread keeps float32 sums per word it reads, reduced
     once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
-    per step. With GATED, x holds [gate | up] (2K wide) and the input is SiLU(gate) * up."""
+    per step."""
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
@@ -108,11 +106,7 @@ def _fp8_gemv_kernel(
         c_ok = c < w_end
         p = tl.load(w_rows + c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
         for j in tl.static_range(4):
-            if GATED:
-                gate = tl.load(x_ptr + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
-                xj = gate * tl.sigmoid(gate) * tl.load(x_ptr + K + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
-            else:
-                xj = tl.load(x_ptr + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
+            xj = tl.load(x_ptr + c * 4 + j, mask=c_ok, other=0.0).to(tl.float32)
             if j < 3:
                 t = p << (24 - 8 * j)
             else:
@@ -129,14 +123,12 @@ def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tens
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16).
-    gated: x is [..., 2K] holding gate then up, and the layer's input is SiLU(gate) * up (fused into
-    the one-row kernel; other row counts run kernels/activation.py first)."""
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
@@ -153,11 +145,9 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         part, counts = split_workspace(out, split_k, tiles)
         _fp8_gemv_kernel[(tiles, split_k)](
             x2, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
-            in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, GATED=gated,
-            ROWS=16, BLOCK_W=64, SPLIT_K=split_k, PDL=pdl, num_warps=4, num_stages=1, **launch_options(pdl))
+            in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, ROWS=16, BLOCK_W=64,
+            SPLIT_K=split_k, PDL=pdl, num_warps=4, num_stages=1, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
-    if gated:
-        x2 = silu_mul(x2)
     cfg = matmul_config(rows)
     block_k = 64
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
@@ -210,14 +200,11 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for an FP8 weight: _scaled_mm for prefill where it runs, the Triton kernel
-    for decode (and under the interpreter), else the torch reference. gated: x is [..., 2K], gate
-    then up, and the input is SiLU(gate) * up (fused into the one-row Triton kernel)."""
-    if gated and (x.numel() != x.shape[-1] or not use_triton(x)):
-        x, gated = silu_mul(x), False
+    for decode (and under the interpreter), else the torch reference."""
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias)
-    if use_scaled_mm(x, weight):  # prefill-sized: never a gated row
+    if use_scaled_mm(x, weight):
         return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    return fp8_linear_triton(x, weight, weight_scale, bias, gated)
+    return fp8_linear_triton(x, weight, weight_scale, bias)

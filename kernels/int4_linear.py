@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_mul
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
@@ -172,13 +171,11 @@ def _nibbles(packed, shifts):
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
     # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
-    # contiguously, as in the GEMM below; products are summed per group, then scaled. With GATED,
-    # x is [gate | up] (2K wide) and the input is SiLU(gate) * up, computed as it is read.
+    # contiguously, as in the GEMM below; products are summed per group, then scaled.
     wait_for_previous_kernel(PDL)
     PACKS: tl.constexpr = GROUP // 8
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -201,10 +198,7 @@ def _int4_gemv_kernel(
         p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
         z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32) + 8388608.0  # as _nibbles
         s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32)
-        x_offs = (g * GROUP)[:, None] + ks[None, :]
-        xt = tl.load(x_ptr + x_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        if GATED:
-            xt = xt * tl.sigmoid(xt) * tl.load(x_ptr + K + x_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -348,10 +342,8 @@ def gemv_config(in_features: int, group_size: int) -> dict[str, int]:
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16). gated:
-    x is [..., 2K], gate then up, and the input is SiLU(gate) * up (fused into the one-row kernel;
-    other row counts run kernels/activation.py first)."""
+                       group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
     out_features, words = weight.shape
     in_features = words * 8
     if group_size < 16 or group_size & (group_size - 1) or in_features % group_size:
@@ -360,24 +352,22 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must both be "
                          f"[N, K / G] = [{out_features}, {in_features // group_size}]")
     weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty(*x.shape[:-1], out_features)
-    if gated and rows != 1:
-        x2, gated = silu_mul(x2), False
     if rows > GEMM_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
         w = dequantize_int4_triton(weight, zeros, scales, group_size, x.dtype)
-        return torch.nn.functional.linear(x2, w, bias).view(*x.shape[:-1], out_features)
+        return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
     if rows == 1:
         cfg = gemv_config(in_features, group_size)
         _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
             x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-            HAS_BIAS=bias is not None, GATED=gated, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
+            HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
@@ -393,9 +383,9 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for W in the runtime layout (see repack_awq); Triton where `use_triton`
-    says so, else the reference. gated: x is [..., 2K], gate then up, and the input is SiLU(gate) * up."""
+    says so, else the reference."""
     if use_triton(x):
-        return int4_linear_triton(x, weight, zeros, scales, group_size, bias, gated)
-    return int4_linear_ref(silu_mul(x) if gated else x, weight, zeros, scales, group_size, bias)
+        return int4_linear_triton(x, weight, zeros, scales, group_size, bias)
+    return int4_linear_ref(x, weight, zeros, scales, group_size, bias)

@@ -13,7 +13,6 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
-from kernels.activation import silu_mul
 from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
 from kernels.int4_linear import dequantize_int4, int4_linear, repack_awq
 
@@ -35,10 +34,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """This layer applied to SiLU(gate) * up, for gate_up = [gate | up] (the MLP's down projection)."""
-        return self(silu_mul(gate_up))
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
@@ -87,11 +82,6 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """As Linear.forward_gated; the one-row kernel computes SiLU(gate) * up as it reads it."""
-        return int4_linear(gate_up, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
-                           self.bias, gated=True)
 
     def _runtime_weight(self) -> nn.Parameter:
         if self.weight is None:
@@ -142,10 +132,6 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """As Linear.forward_gated; the one-row kernel computes SiLU(gate) * up as it reads it."""
-        return fp8_linear(gate_up, self.weight, self.weight_scale, self.bias, gated=True)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads

@@ -17,6 +17,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import make_linear
 from engine.models.sharding import ModelShard
+from kernels.activation import silu_mul
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
@@ -70,8 +71,7 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.o_proj(attn.reshape(tokens, -1)))
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        # SiLU(gate) * up goes into the down projection's input (one kernel fewer for quantized decode).
-        return self.tp.all_reduce(self.down_proj.forward_gated(self.gate_up_proj(hidden)))
+        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(hidden))))
 
 
 class DecoderModel(nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_mul_ref
+from kernels.activation import silu_mul
 from kernels.dispatch import programmatic_launch, set_programmatic_launch
 from kernels.fp8_linear import (
     fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
@@ -135,21 +135,6 @@ def test_decode_kernels_replay_in_a_cuda_graph_with_new_inputs(rows: int) -> Non
     assert rel_err(fp8_out, fp8_linear_ref(x, weight, scale)) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_gated_down_projection(rows: int) -> None:
-    """down(SiLU(gate) * up) from [gate | up]: fused into the one-row kernels, activation-first otherwise."""
-    in_features, out_features = SHAPES["down"]
-    gate_up = torch.randn(rows, 2 * in_features, device="cuda", dtype=torch.bfloat16)
-    act = silu_mul_ref(gate_up)
-    w4 = int4_weight(in_features, out_features)
-    weight, scale = fp8_weight(in_features, out_features)
-    with nan_poisoned_allocations():
-        int4_out = int4_linear(gate_up, *w4, 128, gated=True)
-        fp8_out = fp8_linear(gate_up, weight, scale, gated=True)
-    assert rel_err(int4_out, int4_linear_ref(act, *w4, 128)) < 1e-2
-    assert rel_err(fp8_out, fp8_linear_ref(act, weight, scale)) < 1e-2
-
-
 @torch.inference_mode()
 def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
     """A chain of our decode kernels, each reading the one before, in a CUDA graph: launched with
@@ -163,9 +148,9 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 
     def chain() -> torch.Tensor:
         x, residual = rms_norm(h, norm, 1e-5)
-        x = int4_linear(int4_linear(x, *w4_up, 128), *w4_down, 128, gated=True)
+        x = int4_linear(silu_mul(int4_linear(x, *w4_up, 128)), *w4_down, 128)
         x, residual = rms_norm(x, norm, 1e-5, residual)
-        return fp8_linear(fp8_linear(x, *fp8_up), *fp8_down, gated=True) + residual
+        return fp8_linear(silu_mul(fp8_linear(x, *fp8_up)), *fp8_down) + residual
 
     outputs = []
     try:

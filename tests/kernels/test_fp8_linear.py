@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_mul_ref
 from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
 from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -69,17 +68,6 @@ def test_fp8_linear_takes_batched_strided_inputs_and_a_per_tensor_scale(triton_i
         out = fp8_linear(x, weight, scale)
     assert out.shape == (2, 3, 48)
     torch.testing.assert_close(out, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
-
-
-@pytest.mark.parametrize("rows", [1, 3], ids=["fused", "activation-first"])
-def test_fp8_linear_gated_applies_silu_mul_to_its_input(triton_interpreter, rows) -> None:
-    # The down projection takes [gate | up] and multiplies SiLU(gate) * up; one row fuses it.
-    gen = torch.Generator().manual_seed(5)
-    weight, scale = quantize_fp8(torch.randn(40, 96, generator=gen) * 96**-0.5)
-    gate_up = torch.randn(rows, 192, generator=gen)
-    with nan_poisoned_allocations():
-        out = fp8_linear(gate_up, weight, scale, gated=True)
-    torch.testing.assert_close(out, fp8_linear_ref(silu_mul_ref(gate_up), weight, scale), **TOLERANCE[torch.float32])
 
 
 def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter) -> None:

@@ -10,7 +10,6 @@ from kernels.int4_linear import (
     _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
     int4_linear, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq, unpack_int4,
 )
-from kernels.activation import silu_mul_ref
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -145,18 +144,6 @@ def test_int4_linear_takes_batched_and_strided_inputs(triton_interpreter, rows) 
         out = int4_linear(x, weight, zeros, scales, 32)
     assert out.shape == (2, rows, 64)
     torch.testing.assert_close(out, int4_linear_ref(x, weight, zeros, scales.float(), 32), **TOLERANCE[torch.float32])
-
-
-@pytest.mark.parametrize("rows", [1, 3], ids=["fused", "activation-first"])
-def test_int4_linear_gated_applies_silu_mul_to_its_input(triton_interpreter, rows) -> None:
-    # The down projection takes [gate | up] and multiplies SiLU(gate) * up; one row fuses it.
-    gen = torch.Generator().manual_seed(8)
-    weight, zeros, scales = int4_weight(128, 40, 32, gen)
-    gate_up = torch.randn(rows, 256, generator=gen)
-    with nan_poisoned_allocations():
-        out = int4_linear(gate_up, weight, zeros, scales, 32, gated=True)
-    ref = int4_linear_ref(silu_mul_ref(gate_up), weight, zeros, scales.float(), 32)
-    torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
 
 def test_int4_linear_rejects_a_group_size_that_does_not_tile_k(triton_interpreter) -> None:
