@@ -26,7 +26,7 @@ from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import num_splits_for
-from kernels.dispatch import to_device
+from kernels.dispatch import programmatic_launches, to_device
 
 log = logging.getLogger("minillm.engine")
 
@@ -64,12 +64,13 @@ class _DecodeGraph:
             ids = resolve_placeholders(self.input_ids, self.prev_tokens)
             return model.compute_logits(model(ids, self.positions, kv, self.meta))
 
-        for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
-            forward()
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = forward()
+        with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
+            for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
+                forward()
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = forward()
 
     def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""

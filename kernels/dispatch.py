@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -31,14 +33,21 @@ def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> 
 # kernel's writes. That hides part of the launch-to-start gap between two short kernels, where a
 # batch-1 decode step of ~170 kernels spends much of its time. H200, Llama-3.2-1B shape, decode
 # tok/s at batch 1 without and with it: bf16 873 and 900, FP8 964 and 1,042, INT4 1,113 and 1,171
-# (cuBLAS's GEMMs never let their successor start early, hence the smaller bf16 gain).
-# MINILLM_PDL=0 turns it off.
-_programmatic_launch = os.environ.get("MINILLM_PDL", "1") != "0"
+# (cuBLAS's GEMMs never let their successor start early, hence the smaller bf16 gain). It is used
+# where it was measured, inside the decode steps' CUDA graphs; eager launches (prefill) stay plain.
+_programmatic_launch = False
 
 
-def set_programmatic_launch(enabled: bool) -> None:
+@contextmanager
+def programmatic_launches() -> Iterator[None]:
+    """Inside, our kernels on a Hopper (or later) GPU launch with PDL, unless MINILLM_PDL=0."""
     global _programmatic_launch
-    _programmatic_launch = enabled
+    previous = _programmatic_launch
+    _programmatic_launch = os.environ.get("MINILLM_PDL", "1") != "0"
+    try:
+        yield
+    finally:
+        _programmatic_launch = previous
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,11 +3,13 @@ Llama-3.2-1B's projection sizes, for decode and prefill row counts (run through 
 skipped without a GPU)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from kernels.activation import silu_mul
-from kernels.dispatch import programmatic_launch, set_programmatic_launch
+from kernels.dispatch import programmatic_launch, programmatic_launches
 from kernels.fp8_linear import (
     fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
 )
@@ -153,20 +155,17 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
         return fp8_linear(silu_mul(fp8_linear(x, *fp8_up)), *fp8_down) + residual
 
     outputs = []
-    try:
-        for enabled in (False, True):
-            set_programmatic_launch(enabled)
+    for enabled in (False, True):
+        with programmatic_launches() if enabled else contextlib.nullcontext():
             assert programmatic_launch(h) == enabled
             chain()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = chain()
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            outputs.append(out.clone())
-    finally:
-        set_programmatic_launch(False)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outputs.append(out.clone())
     assert torch.isfinite(outputs[0]).all()
     assert torch.equal(outputs[0], outputs[1])
