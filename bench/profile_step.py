@@ -3,6 +3,7 @@ alone, and the replay's kernels by total time (torch.profiler). Not a benchmark 
 
     python3 bench/profile_step.py --model random:llama-3.2-1b --batches 1 8 64
     python3 bench/profile_step.py --batches 1 --quantization int4 --host-profile   # an RTN checkpoint of the shape
+    MINILLM_PDL=0 python3 bench/profile_step.py ...   # kernels one after another: with PDL each starts early and its time includes the wait
 """
 from __future__ import annotations
 
