@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
-from kernels.int4_linear import int4_linear, interleave_rows, pack_int4  # noqa: E402
+from kernels.int4_linear import int4_linear, pack_int4  # noqa: E402
 
 # (K, N) of Llama-3.2-1B's merged QKV, O, merged gate/up and down projections.
 SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}
@@ -56,9 +56,9 @@ def main() -> None:
     for name, (k, n) in SHAPES.items():
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
         groups = k // GROUP_SIZE
-        int4_weight = interleave_rows(pack_int4(torch.randint(0, 16, (n, k), device="cuda")))  # the runtime layout
-        zeros = interleave_rows(torch.randint(0, 16, (n, groups), device="cuda").half())
-        scales = interleave_rows(torch.full((n, groups), 0.3 * k**-0.5, device="cuda", dtype=torch.float16))
+        int4_weight = pack_int4(torch.randint(0, 16, (n, k), device="cuda"))  # the runtime layout
+        zeros = torch.randint(0, 16, (n, groups), device="cuda").half()
+        scales = torch.full((n, groups), 0.3 * k**-0.5, device="cuda", dtype=torch.float16)
         fp8_weight, fp8_scale = quantize_fp8(weight)
         weight_bytes = {"bf16": 2 * n * k, "int4": n * k // 2 + groups * n * 4, "fp8": n * k + 4 * n}
         for m in ROWS:

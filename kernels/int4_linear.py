@@ -10,21 +10,16 @@ Checkpoints hold AutoAWQ's layout (engine/quantize.py writes it, the loader read
   scales   fp16  [K // G, N]       the groups' scales
 Packing puts column 8c + AWQ_ORDER[i] of a pack into bits 4i..4i+3 of its int32.
 
-Once loaded, `repack_awq` turns it into the runtime layout, the only copy kept, with the rows of
-each run of ROW_RUN = 4 output features interleaved (so that one thread's 16-byte load holds the same
-eight input features of 4 rows, and one x value serves all four):
-  weight   int32 [N / 4, K // 8, 4]   [t, c, r]: row 4t + r's word c; its nibble j (bits 4j..4j+3)
-                                      holds k = 8c + j
-  zeros    fp16  [N / 4, K // G, 4]   the zero points as floats (0..15, exact)
-  scales   fp16  [N / 4, K // G, 4]
-G is a multiple of 8, so the eight weights of a word share one group. `interleave_rows` makes this
-from [N, C] tensors (as `pack_int4` packs them), `deinterleave_rows` undoes it.
+Once loaded, `repack_awq` turns it into the runtime layout, the only copy kept:
+  weight   int32 [N, K // 8]   nibble j (bits 4j..4j+3) of word c holds k = 8c + j
+  zeros    fp16  [N, K // G]   the zero points as floats (0..15, exact)
+  scales   fp16  [N, K // G]
+G is a multiple of 8, so the eight weights of a word share one group.
 
 Kernels for x @ W.T, each reading a packed int32 once and dequantizing in registers (float32
 accumulation), by the number of rows M:
-  - M = 1 (decode): a GEMV on CUDA cores; a thread holds the 4 rows of a word and keeps float32 sums
-    per word, reduced once at the end; a nibble becomes a float by one mask-and-or into a mantissa
-    (no shared-memory shuffles, 4.8 instructions a weight against 8 before);
+  - M = 1 (decode): a GEMV on CUDA cores; a program owns 4 output features and walks K 1,024
+    input features at a time, each word repeated 8 times in registers so that x is read contiguously;
   - 1 < M <= GEMM_ROWS (decode batches, prefill chunks): a tl.dot GEMM whose weight tile
     [BLOCK_N, BLOCK_K] is each word interleaved 8 times along K and shifted per column;
   - M > GEMM_ROWS: the weight dequantized into x's dtype by a third kernel, then cuBLAS.
@@ -52,10 +47,6 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a pack sits in nibbl
 # product is cuBLAS's; below, the tile GEMM reads the 4-bit weights directly. The H200 crossover
 # per 1B layer: the tile GEMM wins at 512 rows (344 against 396 us), cuBLAS at 2,048 (628 against 749).
 GEMM_ROWS = 1024
-ROW_RUN = 4  # output features interleaved in the runtime layout
-# The one-row kernel's float bits (kernel arguments, so that ptxas keeps them in registers and
-# masks and ors in one instruction): mantissa bits 19..22 and 15..18, and the exponent of 1.0.
-_HI_NIBBLE, _LO_NIBBLE, _ONE = 0x00780000, 0x00078000, 0x3F800000
 _REPACK_ROWS = 256  # input features repacked at a time: the unpacked int64s take 16x the packed bytes
 
 
@@ -104,38 +95,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return _unpack_words(packed).reshape(rows, words * 8)
 
 
-def interleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] → [N / ROW_RUN, C, ROW_RUN]: row ROW_RUN * i + r at [i, :, r] (N a multiple of ROW_RUN)."""
-    rows, cols = t.shape
-    if rows % ROW_RUN:
-        raise ValueError(f"INT4 layers need a multiple of {ROW_RUN} output features, got {rows}")
-    return t.reshape(rows // ROW_RUN, ROW_RUN, cols).transpose(1, 2).contiguous()
-
-
-def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of interleave_rows: [N / ROW_RUN, C, ROW_RUN] → [N, C]."""
-    runs, cols, run = t.shape
-    return t.transpose(1, 2).reshape(runs * run, cols)
-
-
 def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AutoAWQ's (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]) → the runtime layout
-    (weight int32 [N/4, K/8, 4], fp16 zeros and scales [N/4, K/G, 4]), on the tensors' device."""
+    (weight int32 [N, K/8], fp16 zeros [N, K/G], fp16 scales [N, K/G]), on the tensors' device."""
     in_features, packs = qweight.shape
     weight = torch.empty(packs * 8, in_features // 8, dtype=torch.int32, device=qweight.device)
     for k0 in range(0, in_features, _REPACK_ROWS):  # K is a multiple of 8: every slice holds whole words
         part = qweight[k0:k0 + _REPACK_ROWS]
         weight[:, k0 // 8:(k0 + part.shape[0]) // 8] = pack_int4(unpack_awq(part).t())
-    zeros = unpack_awq(qzeros).t().to(torch.float16)
-    return interleave_rows(weight), interleave_rows(zeros), interleave_rows(scales.t().to(torch.float16))
+    zeros = unpack_awq(qzeros).t().to(torch.float16).contiguous()
+    return weight, zeros, scales.t().to(torch.float16).contiguous()
 
 
 def dequantize_int4(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [N, K] in the scales' dtype, from the runtime layout (equal to dequantize_awq's, transposed)."""
-    q = unpack_int4(deinterleave_rows(weight))
-    z = deinterleave_rows(zeros).repeat_interleave(group_size, dim=1).to(torch.int32)
-    s = deinterleave_rows(scales).repeat_interleave(group_size, dim=1)
+    q = unpack_int4(weight)
+    z = zeros.repeat_interleave(group_size, dim=1).to(torch.int32)
+    s = scales.repeat_interleave(group_size, dim=1)
     return (q - z).to(scales.dtype) * s
 
 
@@ -193,64 +170,48 @@ def _nibbles(packed, shifts):
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_t, stride_tg,
-    words_per_split, hi_bits, lo_bits, one_bits,
-    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr, TILES: tl.constexpr, BLOCK_W: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
+    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One row of x against TILES runs of R interleaved weight rows, BLOCK_W words at a time (split
-    # along K when the rows leave SMs idle). Each [t, c, 0:R] is one 16-byte load whose 8 input
-    # features are shared by the R rows, so x is read 8 times per word column (from L1), not per row.
-    # A nibble pair is shifted once so that nibble 2i+1 lands on mantissa bits 19..22 and nibble 2i
-    # on 15..18; or-ing 1.0's exponent in gives v = 1 + q/16 and 1 + q/256, multiplied into x with
-    # no subtraction per weight: sum x*q = 16 (sum x*v_hi - sum x_hi) + 256 (sum x*v_lo - sum x_lo),
-    # which costs 4 and 8 of float32's 24 bits to cancellation, far under the bf16 output's rounding.
+    # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
+    # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
+    # contiguously, as in the GEMM below; products are summed per group, then scaled.
     wait_for_previous_kernel(PDL)
-    tiles = tl.program_id(0) * TILES + tl.arange(0, TILES)
-    tile_ok = tiles < N // R
-    w_begin = tl.program_id(1) * words_per_split
-    w_end = tl.minimum(w_begin + words_per_split, K // 8)
-    words = tl.arange(0, BLOCK_W)
-    rs = tl.arange(0, R)
-    w_tiles = w_ptr + tiles.to(tl.int64)[:, None, None] * stride_t + rs[None, None, :]
-    g_tiles = tiles.to(tl.int64)[:, None, None] * stride_tg + rs[None, None, :]
-    acc = tl.zeros([TILES, BLOCK_W, R], dtype=tl.float32)
-    for c0 in range(w_begin, w_end, BLOCK_W):
-        c = c0 + words
-        c_ok = c < w_end
-        ok = tile_ok[:, None, None] & c_ok[None, :, None]
-        p = tl.load(w_tiles + (c * R)[None, :, None], mask=ok, other=0)
-        g = (c // (GROUP // 8) * R)[None, :, None]
-        z = tl.load(zeros_ptr + g_tiles + g, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(scales_ptr + g_tiles + g, mask=ok, other=0.0).to(tl.float32)
-        d_hi = tl.zeros([TILES, BLOCK_W, R], dtype=tl.float32)
-        d_lo = tl.zeros([TILES, BLOCK_W, R], dtype=tl.float32)
-        xs_hi = tl.zeros([BLOCK_W], dtype=tl.float32)
-        xs_lo = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(4):
-            x_lo = tl.load(x_ptr + c * 8 + 2 * i, mask=c_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + c * 8 + 2 * i + 1, mask=c_ok, other=0.0).to(tl.float32)
-            xs_lo += x_lo
-            xs_hi += x_hi
-            if 8 * i < 15:
-                t = p << (15 - 8 * i)
-            else:
-                t = p >> (8 * i - 15)  # arithmetic: the sign fills bits the masks drop
-            d_hi += ((t & hi_bits) | one_bits).to(tl.float32, bitcast=True) * x_hi[None, :, None]
-            d_lo += ((t & lo_bits) | one_bits).to(tl.float32, bitcast=True) * x_lo[None, :, None]
-        xq = 16.0 * d_hi + 256.0 * d_lo - (16.0 * xs_hi + 256.0 * xs_lo)[None, :, None]  # sum x * q
-        acc += s * (xq - z * (xs_hi + xs_lo)[None, :, None])
-    y = tl.reshape(tl.sum(acc, axis=1), [TILES * R])
-    rows = tl.program_id(0) * (TILES * R) + tl.arange(0, TILES * R)
-    store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+    PACKS: tl.constexpr = GROUP // 8
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    gs = tl.arange(0, GROUPS)
+    ks = tl.arange(0, GROUP)
+    shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
+    g_rows = rows.to(tl.int64)[:, None] * stride_g
+    num_groups = K // GROUP
+    acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
+    for g0 in range(0, num_groups, GROUPS):
+        g = g0 + gs
+        g_ok = g < num_groups
+        ok = row_ok[:, None] & g_ok[None, :]
+        p = tl.load(w_rows + (g * PACKS)[None, :, None] + tl.arange(0, PACKS)[None, None, :], mask=ok[:, :, None],
+                    other=0)
+        p = tl.interleave(p, p)
+        p = tl.interleave(p, p)
+        p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
+        z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32) + 8388608.0  # as _nibbles
+        s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _int4_matmul_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_t, stride_tg, group_size, tiles_per_split,
+    M, N, K, stride_xm, stride_w, stride_g, group_size, tiles_per_split,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -262,22 +223,17 @@ def _int4_matmul_kernel(
     words = tl.arange(0, BLOCK_K // 8)
     shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    # Column n's word c is at [n // R, c, n % R] of the runtime layout (read as [runs, words, R]
-    # tiles, R words = 16 bytes at a time, then put in [n, word] order); its zero and scale likewise.
-    runs = pid_n * (BLOCK_N // R) + tl.arange(0, BLOCK_N // R)
-    w_runs = w_ptr + runs.to(tl.int64)[:, None, None] * stride_t + tl.arange(0, R)[None, None, :]
-    run_ok = (runs < N // R)[:, None, None]
-    g_cols = (cols // R).to(tl.int64) * stride_tg + cols % R
+    w_cols = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    g_cols = cols.to(tl.int64) * stride_g
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for tile in range(split * tiles_per_split, tl.minimum((split + 1) * tiles_per_split, K // BLOCK_K)):
         group = tile * BLOCK_K // group_size  # BLOCK_K divides G: one group per tile
-        p = tl.load(w_runs + ((tile * (BLOCK_K // 8) + words) * R)[None, :, None], mask=run_ok, other=0)
-        p = tl.reshape(tl.permute(p, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])
+        p = tl.load(w_cols + tile * (BLOCK_K // 8) + words[None, :], mask=col_ok[:, None], other=0)
         p = tl.interleave(p, p)  # [BLOCK_N, BLOCK_K]: each word repeated 8 times along K, in
         p = tl.interleave(p, p)  # registers (one load per word)
         p = tl.interleave(p, p)
-        z = tl.load(zeros_ptr + g_cols + group * R, mask=col_ok, other=0.0).to(tl.float32) + 8388608.0
-        s = tl.load(scales_ptr + g_cols + group * R, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g_cols + group, mask=col_ok, other=0.0).to(tl.float32) + 8388608.0
+        s = tl.load(scales_ptr + g_cols + group, mask=col_ok, other=0.0).to(tl.float32)
         w = ((_nibbles(p, shifts[None, :]) - z[:, None]) * s[:, None]).to(x_ptr.dtype.element_ty)
         xt = tl.load(x_rows + (tile * BLOCK_K + ks)[None, :], mask=(rows < M)[:, None], other=0.0)
         if IEEE:
@@ -288,22 +244,21 @@ def _int4_matmul_kernel(
 
 
 @triton.jit
-def _int4_dequantize_kernel(w_ptr, zeros_ptr, scales_ptr, out_ptr, N, K, stride_t, stride_tg, group_size,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
+def _int4_dequantize_kernel(w_ptr, zeros_ptr, scales_ptr, out_ptr, N, K, stride_w, stride_g, group_size,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """W [N, K] in out's dtype from the runtime layout, a [BLOCK_N, BLOCK_K] tile per program."""
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     words = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     row_ok = (rows < N)[:, None]
-    runs = (rows // R).to(tl.int64)[:, None]
-    p = tl.load(w_ptr + runs * stride_t + (rows % R)[:, None] + (words * R)[None, :],
-                mask=row_ok & (words < K // 8)[None, :], other=0)
+    p = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + words[None, :], mask=row_ok & (words < K // 8)[None, :],
+                other=0)
     p = tl.interleave(p, p)  # as in the GEMM: each word 8 times along K, so the stores are contiguous
     p = tl.interleave(p, p)
     p = tl.interleave(p, p)
     ok = row_ok & (ks < K)[None, :]
-    g = runs * stride_tg + (rows % R)[:, None] + ((ks // group_size) * R)[None, :]
+    g = rows.to(tl.int64)[:, None] * stride_g + (ks // group_size)[None, :]
     z = tl.load(zeros_ptr + g, mask=ok, other=0.0).to(tl.float32) + 8388608.0
     s = tl.load(scales_ptr + g, mask=ok, other=0.0).to(tl.float32)
     w = (_nibbles(p, ((ks % 8) * 4)[None, :]) - z) * s
@@ -313,14 +268,13 @@ def _int4_dequantize_kernel(w_ptr, zeros_ptr, scales_ptr, out_ptr, N, K, stride_
 def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                            dtype: torch.dtype) -> torch.Tensor:
     """Triton version of `dequantize_int4`: W [N, K] in `dtype`."""
-    runs, words, run = weight.shape
-    out_features = runs * run
+    out_features, words = weight.shape
     out = torch.empty(out_features, words * 8, dtype=dtype, device=weight.device)
     block_n, block_k = 32, 256
     pdl = programmatic_launch(weight)
     _int4_dequantize_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(words * 8, block_k))](
         weight, zeros, scales, out, out_features, words * 8, weight.stride(0), zeros.stride(0), group_size,
-        BLOCK_N=block_n, BLOCK_K=block_k, R=ROW_RUN, PDL=pdl, **launch_options(pdl))
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, **launch_options(pdl))
     return out
 
 
@@ -379,16 +333,24 @@ def matmul_config(rows: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
+def gemv_config(in_features: int, group_size: int) -> dict[str, int]:
+    """The one-row kernel's tiling: 4 weight rows a program, 1,024 input features an iteration (the
+    best of an H200 sweep at Llama-3.2-1B's projections, L2 flushed: 43.8 us a layer against 50.2
+    for the split-K kernel it replaced)."""
+    groups = min(max(1, 1024 // group_size), triton.next_power_of_2(in_features // group_size))
+    return dict(ROWS=4, GROUPS=groups, num_warps=4, num_stages=1)
+
+
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                        group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
-    runs, words, run = weight.shape
-    out_features, in_features = runs * run, words * 8
+    out_features, words = weight.shape
+    in_features = words * 8
     if group_size < 16 or group_size & (group_size - 1) or in_features % group_size:
         raise ValueError(f"the group size ({group_size}) must be a power of two >= 16 dividing K ({in_features})")
-    if zeros.shape != (runs, in_features // group_size, run) or scales.shape != zeros.shape:
+    if zeros.shape != (out_features, in_features // group_size) or scales.shape != zeros.shape:
         raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must both be "
-                         f"[N / 4, K / G, 4] = [{runs}, {in_features // group_size}, {run}]")
+                         f"[N, K / G] = [{out_features}, {in_features // group_size}]")
     weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
@@ -402,17 +364,10 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
     if rows == 1:
-        # 2 runs of 4 rows a program, 64 words (512 input features) a step, split along K under four
-        # programs per SM: the best of an H200 sweep at Llama-3.2-1B's projections (L2 flushed,
-        # 41.9 us a layer against 44.6 for the previous kernel, and 450 against 498 us for 16 layers
-        # of them in a CUDA graph).
-        tiles = triton.cdiv(runs, 2)
-        split_k, per_split = gemv_split(tiles, words, 64, x.device)
-        part, counts = split_workspace(out, split_k, tiles)
-        _int4_gemv_kernel[(tiles, split_k)](
-            x2, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
-            zeros.stride(0), per_split, _HI_NIBBLE, _LO_NIBBLE, _ONE, HAS_BIAS=bias is not None, GROUP=group_size,
-            R=run, TILES=2, BLOCK_W=64, SPLIT_K=split_k, PDL=pdl, num_warps=4, num_stages=1, **launch_options(pdl))
+        cfg = gemv_config(in_features, group_size)
+        _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
+            x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
+            HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
@@ -423,7 +378,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         x2, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x2.stride(0),
         weight.stride(0), zeros.stride(0), group_size, per_split,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32,
-        R=run, PDL=pdl, **cfg, **launch_options(pdl))
+        PDL=pdl, **cfg, **launch_options(pdl))
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -53,8 +53,8 @@ class Linear(nn.Module):
 class Int4Linear(nn.Module):
     """4-bit weights (see kernels/int4_linear.py), loaded in AutoAWQ's GEMM layout (qweight [K, N/8],
     qzeros [K/G, N/8], fp16 scales [K/G, N]) and served, after repack(), in the kernels' runtime
-    layout: weight int32 [N/4, K/8, 4], fp16 weight_zeros and weight_scales [N/4, K/G, 4] (runs of 4
-    output features interleaved). The bias stays in the model's dtype."""
+    layout: weight int32 [N, K/8], fp16 weight_zeros and weight_scales [N, K/G]. The bias stays in
+    the model's dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int) -> None:
         super().__init__()
