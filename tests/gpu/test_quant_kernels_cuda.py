@@ -11,7 +11,7 @@ import torch
 from kernels.activation import silu_mul
 from kernels.dispatch import programmatic_launch, programmatic_launches
 from kernels.fp8_linear import (
-    fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
+    FP8, fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
 )
 from kernels.int4_linear import GEMM_ROWS, int4_linear, int4_linear_ref, pack_awq, repack_awq
 from kernels.rmsnorm import rms_norm
@@ -135,6 +135,20 @@ def test_decode_kernels_replay_in_a_cuda_graph_with_new_inputs(rows: int) -> Non
     graph.replay()
     assert rel_err(int4_out, int4_linear_ref(x, *w4, 128)) < 1e-2
     assert rel_err(fp8_out, fp8_linear_ref(x, weight, scale)) < 1e-2
+
+
+def test_fp8_one_row_kernel_decodes_every_e4m3_value_exactly() -> None:
+    """As the CPU test: one-hot rows pick out weight columns, so the output is the decoded bytes bit
+    for bit. On the GPU this also checks that float32 subnormals (the e4m3 subnormals / 2**120) are
+    not flushed to zero."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaNs
+    weight = codes.view(16, 16).view(FP8).cuda()
+    ones = torch.ones(16, device="cuda")
+    for k in range(16):
+        x = torch.zeros(1, 16, device="cuda")
+        x[0, k] = 1.0
+        assert torch.equal(fp8_linear(x, weight, ones), weight.float()[:, k][None, :])
 
 
 @torch.inference_mode()
