@@ -201,9 +201,7 @@ def _int4_gemv_kernel(
         xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
 
 @triton.jit
