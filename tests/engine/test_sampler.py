@@ -7,7 +7,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties
+from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties, argmax_rows
 from kernels.sampling import gumbel_noise
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +52,21 @@ def test_greedy_is_argmax() -> None:
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
     assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("vocab", [49152, 1008, 97])
+def test_argmax_rows_is_the_first_maximum(vocab: int) -> None:
+    # Chunked (vocab divisible by 16 or more) and plain; ties across and inside chunks, and the
+    # maximum in each chunk position, must give torch.argmax's first index.
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 50, (6, vocab), generator=g).float()
+    scores[1, vocab - 1] = 99.0  # last element
+    scores[2, 0] = 99.0  # first element
+    scores[3, [5, vocab // 2, vocab - 3]] = 99.0  # ties in different chunks
+    scores[4, [vocab // 2, vocab // 2 + 1]] = 99.0  # ties next to each other
+    scores[5] = -3.0  # all equal
+    assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
+    assert argmax_rows(scores)[5] == 0 and argmax_rows(scores)[1] == vocab - 1
 
 
 def test_greedy_logit_bias_flips_argmax() -> None:
