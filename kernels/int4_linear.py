@@ -169,6 +169,18 @@ def _nibbles(packed, shifts):
 
 
 @triton.jit
+def _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, g, num_groups, GROUP: tl.constexpr):
+    """The one-row kernel's loads for groups g of its rows: packed words [ROWS, GROUPS, GROUP // 8],
+    zero points and scales [ROWS, GROUPS] (zeros past num_groups)."""
+    ok = row_ok[:, None] & (g < num_groups)[None, :]
+    p = tl.load(w_rows + (g * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :],
+                mask=ok[:, :, None], other=0)
+    z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0)
+    s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0)
+    return p, z, s
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
     HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
@@ -176,8 +188,8 @@ def _int4_gemv_kernel(
     # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
     # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
     # contiguously, as in the GEMM below; products are summed per group, then scaled.
-    wait_for_previous_kernel(PDL)
-    PACKS: tl.constexpr = GROUP // 8
+    # The next step's weights are loaded before this step's math, and the first step's before the
+    # wait for the previous kernel (weights are never written, so they may be read before it ends).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     gs = tl.arange(0, GROUPS)
@@ -186,20 +198,21 @@ def _int4_gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
     g_rows = rows.to(tl.int64)[:, None] * stride_g
     num_groups = K // GROUP
+    p, z, s = _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, gs, num_groups, GROUP)
+    wait_for_previous_kernel(PDL)
     acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
     for g0 in range(0, num_groups, GROUPS):
         g = g0 + gs
-        g_ok = g < num_groups
-        ok = row_ok[:, None] & g_ok[None, :]
-        p = tl.load(w_rows + (g * PACKS)[None, :, None] + tl.arange(0, PACKS)[None, None, :], mask=ok[:, :, None],
-                    other=0)
+        p_next, z_next, s_next = _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, g + GROUPS,
+                                                 num_groups, GROUP)
+        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=(g < num_groups)[:, None], other=0.0)
         p = tl.interleave(p, p)
         p = tl.interleave(p, p)
         p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
-        z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32) + 8388608.0  # as _nibbles
-        s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0).to(tl.float32)
-        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-        acc += tl.sum(xt[None, :, :] * (_nibbles(p, shifts[None, None, :]) - z[:, :, None]), axis=2) * s
+        zf = z.to(tl.float32) + 8388608.0  # as _nibbles
+        w = _nibbles(p, shifts[None, None, :]) - zf[:, :, None]
+        acc += tl.sum(xt.to(tl.float32)[None, :, :] * w, axis=2) * s.to(tl.float32)
+        p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1)
     store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
