@@ -5,8 +5,9 @@ Two GPU paths:
   - w8a16 Triton kernels (decode, M <= 16, and prefill where the next path is unavailable): a
     one-row kernel over int32 words of four e4m3 bytes (M = 1), and a tile GEMM with
     kernels/int4_linear.py's tiling and split-K. Both read the weight once, decode e4m3 in registers
-    with integer ops (exact; no fp8 loads, so Triton's CPU interpreter runs them too), accumulate in
-    float32 and apply the channel scale once at the end.
+    with integer ops (exact; no fp8 loads, so Triton's CPU interpreter runs them too; on Ada and
+    Hopper the one-row kernel uses the hardware's e4m3 conversion instead), accumulate in float32
+    and apply the channel scale once at the end.
   - w8a8 for prefill (M > 16) on Hopper/Ada: torch._scaled_mm on fp8 tensor cores, x quantized to
     e4m3 per token. Rounding x to 3 mantissa bits costs about 2-3% relative error per output
     (w8a16 costs only the output rounding), the usual price of FP8 prefill.
