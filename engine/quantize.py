@@ -16,7 +16,11 @@ scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to
        unless grouped-query attention shares v rows between heads, where AutoAWQ skips it too), so
        the float model computes the same. Then each group's range is clipped (not for q/k) where
        that lowers the error of the group's partial dot products on the calibration activations.
-       Each layer is searched on the activations the original float model feeds it.
+       Each layer is searched on the activations the original float model feeds it. Then the
+       weights are rounded onto those groups' grids by GPTQ (below) instead of to nearest, layer
+       by layer, each layer's Hessians from the quantized layers before it (SmolLM2, perplexity
+       against AWQ rounding to nearest: 10.14 against 10.78 at group size 64, 9.13 against 9.57
+       at 32; the same at 16).
   fp8-gptq  FP8 (e4m3) weights with one scale per output feature (its largest magnitude maps to 448),
        rounded by GPTQ (Frantar et al., ICLR 2023) instead of to nearest: input features are rounded
        one at a time, and each one's rounding error is spread over the features not yet rounded,
@@ -66,6 +70,7 @@ GPTQ_DAMP = 0.1  # share of the Hessian's mean diagonal added to it (0.01, GPTQ'
 GPTQ_BLOCK = 128  # input features whose error updates are applied together
 CLIP_STEPS = 10  # each end of a group's range shrunk by 0, 5, ..., 45%
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json", COMPLETE_MARKER)
+Grid = tuple[torch.Tensor, torch.Tensor]  # an int4 weight's scales and zero points, [N, K/G] each
 
 
 # ---- the grid --------------------------------------------------------------------------------------
@@ -86,10 +91,16 @@ def fake_quantize(groups: torch.Tensor) -> torch.Tensor:
     return (levels - zero[..., None]) * scale[..., None]
 
 
-def quantize_weight(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """A float weight [N out, K in] → AutoAWQ's qweight [K, N/8], qzeros [K/G, N/8], fp16 scales [K/G, N]."""
+def quantize_weight(weight: torch.Tensor, group_size: int, grid: Grid | None = None) -> dict[str, torch.Tensor]:
+    """A float weight [N out, K in] → AutoAWQ's qweight [K, N/8], qzeros [K/G, N/8], fp16 scales [K/G, N],
+    on the given grids (scales and zero points [N, K/G]) or on _levels' own."""
     n, k = weight.shape
-    levels, scale, zero = _levels(weight.float().reshape(n, k // group_size, group_size))
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    if grid is None:
+        levels, scale, zero = _levels(groups)
+    else:
+        scale, zero = grid
+        levels = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, MAX_Q)
     return {"qweight": pack_awq(levels.reshape(n, k).t().contiguous().cpu()),
             "qzeros": pack_awq(zero.t().contiguous().cpu()), "scales": scale.t().contiguous().half().cpu()}
 
@@ -288,10 +299,11 @@ def calibration_sequences(tokenizer: Tokenizer, max_tokens: int, seq_len: int = 
 
 # ---- GPTQ ------------------------------------------------------------------------------------------
 
-def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_column: Callable[[torch.Tensor], torch.Tensor],
+def gptq_round(weight: torch.Tensor, hessian: torch.Tensor,
+               round_column: Callable[[torch.Tensor, int], torch.Tensor],
                damp: float = GPTQ_DAMP, block: int = GPTQ_BLOCK) -> torch.Tensor:
-    """GPTQ: weight [N, K] rounded one input feature (column) at a time by round_column ([N] → the
-    nearest representable [N]), each column's error pushed onto the columns after it so as to
+    """GPTQ: weight [N, K] rounded one input feature (column) at a time by round_column (column k's
+    values [N] and k → the nearest representable [N]), each column's error pushed onto the columns after it so as to
     minimize the output error tr((W - Q) H (W - Q)^T) for the layer's input Hessian H [K, K]."""
     w = weight.float().clone()
     h = hessian.float().clone()
@@ -307,7 +319,7 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_column: Callab
         end = min(start + block, k)
         cols, errors, hb = w[:, start:end].clone(), torch.empty(w.shape[0], end - start, device=w.device), hinv[start:end, start:end]
         for i in range(end - start):
-            rounded = round_column(cols[:, i])
+            rounded = round_column(cols[:, i], start + i)
             out[:, start + i] = rounded
             err = (cols[:, i] - rounded) / hb[i, i]
             cols[:, i:] -= err[:, None] * hb[i, i:][None, :]
@@ -320,10 +332,41 @@ def _fp8_gptq(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """weight [N, K] GPTQ-rounded to FP8 with the original rows' scales (fed x [T, K]), dequantized."""
     _, scale = quantize_fp8(weight)
 
-    def nearest(col: torch.Tensor) -> torch.Tensor:
+    def nearest(col: torch.Tensor, _k: int) -> torch.Tensor:
         return (col / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
 
     return gptq_round(weight, 2 * x.t() @ x / x.shape[0], nearest)
+
+
+def int4_gptq(weight: torch.Tensor, x: torch.Tensor, group_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] GPTQ-rounded onto its groups' int4 grids (as _levels makes them from the weight
+    as it is), fed x [T, K]: (the dequantized weight, the grids' scales and zero points [N, K/G])."""
+    n, k = weight.shape
+    _, scale, zero = _levels(weight.float().reshape(n, k // group_size, group_size))
+
+    def nearest(col: torch.Tensor, column: int) -> torch.Tensor:
+        s, z = scale[:, column // group_size], zero[:, column // group_size]
+        return ((torch.round(col / s) + z).clamp(0, MAX_Q) - z) * s
+
+    return gptq_round(weight, 2 * x.t() @ x / x.shape[0], nearest), scale, zero
+
+
+def int4_gptq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int) -> dict[torch.nn.Module, Grid]:
+    """Replace each decoder linear weight by its GPTQ-rounded int4 values (dequantized, in place),
+    layer by layer, each layer's Hessians taken from the quantized layers before it. Returns each
+    linear module's grids, which the export must use (a group's rounded values need not span its grid)."""
+    grids: dict[torch.nn.Module, Grid] = {}
+
+    def change(layer: DecoderLayer, inputs: dict[str, torch.Tensor], _attention: object) -> None:
+        for name, x in inputs.items():
+            module = getattr(layer, name)
+            rounded, scale, zero = int4_gptq(module.weight, x, group_size)
+            module.weight.copy_(rounded)
+            grids[module] = (scale, zero)
+
+    _layer_by_layer(model, sequences, "GPTQ (int4)", True, change)
+    return grids
 
 
 def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
@@ -340,9 +383,9 @@ def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
 # ---- the checkpoint --------------------------------------------------------------------------------
 
 def _export(model: DecoderModel, dtype: torch.dtype,
-            quantize_projection: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The model's tensors under Hugging Face names: each decoder projection's weight [N, K] as the
-    leaves quantize_projection makes of it, everything else in dtype."""
+            quantize_projection: Callable[[torch.nn.Module, slice], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names: each decoder projection (rows `rows` of a linear
+    module's weight [N, K]) as the leaves quantize_projection makes of it, everything else in dtype."""
     def plain(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(dtype).cpu().contiguous()
 
@@ -354,24 +397,30 @@ def _export(model: DecoderModel, dtype: torch.dtype,
         out[p + "input_layernorm.weight"] = plain(layer.input_layernorm)
         out[p + "post_attention_layernorm.weight"] = plain(layer.post_attention_layernorm)
         for name, (module, start, size) in layer_projections(model.cfg, layer).items():
-            leaves = quantize_projection(module.weight[start:start + size])
+            leaves = quantize_projection(module, slice(start, start + size))
             out |= {f"{p}{name}.{leaf}": t.cpu().contiguous() for leaf, t in leaves.items()}
             if module.bias is not None:
                 out[f"{p}{name}.bias"] = plain(module.bias[start:start + size])
     return out
 
 
-def export_awq(model: DecoderModel, group_size: int) -> dict[str, torch.Tensor]:
-    """Decoder linear layers packed in AutoAWQ's GEMM layout, everything else in float16."""
-    return _export(model, torch.float16, lambda w: quantize_weight(w, group_size))
+def export_awq(model: DecoderModel, group_size: int, grids: dict[torch.nn.Module, Grid] | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Decoder linear layers packed in AutoAWQ's GEMM layout (on `grids` where a module has them),
+    everything else in float16."""
+    def int4(module: torch.nn.Module, rows: slice) -> dict[str, torch.Tensor]:
+        grid = (grids or {}).get(module)
+        return quantize_weight(module.weight[rows], group_size, None if grid is None else (grid[0][rows], grid[1][rows]))
+
+    return _export(model, torch.float16, int4)
 
 
 def export_fp8(model: DecoderModel) -> dict[str, torch.Tensor]:
     """Decoder linear weights in FP8 with a float32 scale per output feature ([N, 1], as
     compressed-tensors writes it), everything else in bfloat16. Weights already on their FP8 grid
     (fp8_gptq_calibrate) come out exactly."""
-    def fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
-        weight, scale = quantize_fp8(w)
+    def fp8(module: torch.nn.Module, rows: slice) -> dict[str, torch.Tensor]:
+        weight, scale = quantize_fp8(module.weight[rows])
         return {"weight": weight, "weight_scale": scale[:, None]}
 
     return _export(model, torch.bfloat16, fp8)
@@ -417,6 +466,7 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
     torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     start = time.monotonic()
     decoder = load_model(src, torch.float32, torch_device)
+    grids: dict[torch.nn.Module, Grid] = {}  # int4 GPTQ's grids (rtn: each group's own min/max)
     if method != "rtn":
         if not Tokenizer.present(src):
             raise ModelLoadError(f"{method} tokenizes its calibration text with the model's tokenizer; {src} has none.")
@@ -425,11 +475,12 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
             raise ModelLoadError(f"calibration_tokens must be at least 2; got {calibration_tokens}.")
         if method == "awq":
             awq_calibrate(decoder, sequences, group_size, clip)
+            grids = int4_gptq_calibrate(decoder, sequences, group_size)
         else:
             fp8_gptq_calibrate(decoder, sequences)
     hf_config = json.loads((src / "config.json").read_text())
     if method in INT4_METHODS:
-        tensors = export_awq(decoder, group_size)
+        tensors = export_awq(decoder, group_size, grids)
         hf_config["quantization_config"] = awq_quantization_config(group_size)
         hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "float16"
     else:

@@ -17,11 +17,11 @@ from engine.loader import layer_projections, load_model
 from engine.models.config import ModelConfig, QuantConfig, parse_quantization
 from engine.models.linear import Fp8Linear, Int4Linear
 from engine.offline import prompt_logits
-from engine.quantize import awq_calibrate, gptq_round, quantize_checkpoint
+from engine.quantize import awq_calibrate, gptq_round, int4_gptq, quantize_checkpoint, quantize_weight
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kernels.fp8_linear import FP8, FP8_MAX
-from kernels.int4_linear import dequantize_awq, pack_awq
+from kernels.int4_linear import dequantize_awq, pack_awq, unpack_awq
 
 CPU = torch.device("cpu")
 PROMPT = list(range(5, 45))
@@ -270,7 +270,7 @@ def test_gptq_rounding_beats_round_to_nearest_on_the_output() -> None:
     w = torch.randn(32, 64, generator=gen)
     step = 0.25
 
-    def nearest(col: torch.Tensor) -> torch.Tensor:
+    def nearest(col: torch.Tensor, _k: int = 0) -> torch.Tensor:
         return torch.round(col / step) * step
 
     def output_error(q: torch.Tensor) -> float:
@@ -279,6 +279,25 @@ def test_gptq_rounding_beats_round_to_nearest_on_the_output() -> None:
     q = gptq_round(w, 2 * x.t() @ x / x.shape[0], nearest, damp=0.01)
     assert torch.equal(q, nearest(q))
     assert output_error(q) < 0.5 * output_error(nearest(w))
+
+
+def test_int4_gptq_rounds_onto_the_grids_it_exports() -> None:
+    """AWQ's GPTQ step: each weight lands on a level of its group's grid (made from the weight before
+    rounding), the export writes exactly those levels with that grid, and the output error is
+    below rounding to nearest on correlated inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=gen) @ torch.randn(64, 64, generator=gen)
+    w = torch.randn(16, 64, generator=gen)
+    rounded, scale, zero = int4_gptq(w, x, 32)
+    packed = quantize_weight(rounded, 32, (scale, zero))
+    levels = unpack_awq(packed["qweight"]).t().float()  # [N, K]
+    zeros = unpack_awq(packed["qzeros"]).t().float().repeat_interleave(32, dim=1)
+    scales = packed["scales"].t().float().repeat_interleave(32, dim=1)
+    assert torch.equal((levels - zeros) * scales, rounded)
+    nearest = quantize_weight(w, 32)
+    nearest_w = (unpack_awq(nearest["qweight"]).t() - unpack_awq(nearest["qzeros"]).t().repeat_interleave(32, dim=1)
+                 ) * nearest["scales"].t().float().repeat_interleave(32, dim=1)
+    assert (x @ (w - rounded).t()).pow(2).mean() < 0.8 * (x @ (w - nearest_w).t()).pow(2).mean()
 
 
 def test_fp8_gptq_checkpoint_loads_back(tiny_with_tokenizer, tmp_path) -> None:
