@@ -67,6 +67,8 @@ def test_argmax_rows_is_the_first_maximum(vocab: int) -> None:
     scores[5] = -3.0  # all equal
     assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
     assert argmax_rows(scores)[5] == 0 and argmax_rows(scores)[1] == vocab - 1
+    padded = torch.cat([scores, torch.full((6, 16), 1e9)], dim=1)[:, :vocab]  # a padded vocabulary's slice
+    assert torch.equal(argmax_rows(padded), scores.argmax(dim=-1))
 
 
 def test_greedy_logit_bias_flips_argmax() -> None:
