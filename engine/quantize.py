@@ -75,14 +75,18 @@ Grid = tuple[torch.Tensor, torch.Tensor]  # an int4 weight's scales and zero poi
 
 # ---- the grid --------------------------------------------------------------------------------------
 
+def _on_grid(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The levels (0..15) nearest to `values` on the grid (level - zero) * scale (shapes broadcast)."""
+    return (torch.round(values / scale) + zero).clamp(0, MAX_Q)
+
+
 def _levels(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[..., G] float32 groups → (levels [..., G] in 0..15, scale, zero point) per group, the scale
     rounded to the float16 it is stored as."""
     lo, hi = groups.amin(-1), groups.amax(-1)
     scale = ((hi - lo).clamp(min=1e-5) / MAX_Q).half().float()
     zero = (-torch.round(lo / scale)).clamp(0, MAX_Q)
-    levels = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, MAX_Q)
-    return levels, scale, zero
+    return _on_grid(groups, scale[..., None], zero[..., None]), scale, zero
 
 
 def fake_quantize(groups: torch.Tensor) -> torch.Tensor:
@@ -100,7 +104,7 @@ def quantize_weight(weight: torch.Tensor, group_size: int, grid: Grid | None = N
         levels, scale, zero = _levels(groups)
     else:
         scale, zero = grid
-        levels = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(0, MAX_Q)
+        levels = _on_grid(groups, scale[..., None], zero[..., None])
     return {"qweight": pack_awq(levels.reshape(n, k).t().contiguous().cpu()),
             "qzeros": pack_awq(zero.t().contiguous().cpu()), "scales": scale.t().contiguous().half().cpu()}
 
@@ -347,7 +351,7 @@ def int4_gptq(weight: torch.Tensor, x: torch.Tensor, group_size: int
 
     def nearest(col: torch.Tensor, column: int) -> torch.Tensor:
         s, z = scale[:, column // group_size], zero[:, column // group_size]
-        return ((torch.round(col / s) + z).clamp(0, MAX_Q) - z) * s
+        return (_on_grid(col, s, z) - z) * s
 
     return gptq_round(weight, 2 * x.t() @ x / x.shape[0], nearest), scale, zero
 
