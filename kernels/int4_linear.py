@@ -18,8 +18,11 @@ G is a multiple of 8, so the eight weights of a word share one group.
 
 Kernels for x @ W.T, each reading a packed int32 once and dequantizing in registers (float32
 accumulation), by the number of rows M:
-  - M = 1 (decode): a GEMV on CUDA cores; a program owns 4 output features and walks K 1,024
-    input features at a time, each word repeated 8 times in registers so that x is read contiguously;
+  - M = 1 (decode): a GEMV on CUDA cores, one of two by weight size (see STREAM_WEIGHTS): for small
+    weights, programs of 4 output features walking K 1,024 input features at a time, each word
+    repeated 8 times in registers so that x is read contiguously; for large ones, programs of 16
+    output features that turn nibbles into floats with a shift and a lop3 (4 instructions a weight
+    in all, against 8: cuobjdump of the sm_90 loops) and split K when the rows alone leave SMs idle;
   - 1 < M <= GEMM_ROWS (decode batches, prefill chunks): a tl.dot GEMM whose weight tile
     [BLOCK_N, BLOCK_K] is each word interleaved 8 times along K and shifted per column;
   - M > GEMM_ROWS: the weight dequantized into x's dtype by a third kernel, then cuBLAS.
@@ -169,15 +172,80 @@ def _nibbles(packed, shifts):
 
 
 @triton.jit
-def _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, g, num_groups, GROUP: tl.constexpr):
-    """The one-row kernel's loads for groups g of its rows: packed words [ROWS, GROUPS, GROUP // 8],
-    zero points and scales [ROWS, GROUPS] (zeros past num_groups)."""
-    ok = row_ok[:, None] & (g < num_groups)[None, :]
-    p = tl.load(w_rows + (g * (GROUP // 8))[None, :, None] + tl.arange(0, GROUP // 8)[None, None, :],
-                mask=ok[:, :, None], other=0)
-    z = tl.load(zeros_ptr + g_rows + g[None, :], mask=ok, other=0.0)
-    s = tl.load(scales_ptr + g_rows + g[None, :], mask=ok, other=0.0)
+def _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g, g_end, WPG: tl.constexpr):
+    """A one-row kernel's loads for groups g [GROUPS] of its rows: the groups' words [ROWS, GROUPS,
+    WPG] and their zero points and scales [ROWS, GROUPS] (zeros past g_end). Masked per group
+    (constant along a group's words), so the word loads stay vectorized."""
+    ok = row_ok[:, None] & (g < g_end)[None, :]
+    words = g[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    p = tl.load(w_rows + words[None, :, :], mask=ok[:, :, None], other=0)
+    z = tl.load(z_rows + g[None, :], mask=ok, other=0.0)
+    s = tl.load(s_rows + g[None, :], mask=ok, other=0.0)
     return p, z, s
+
+
+# A float32 with the exponent of 1.0 (a kernel argument: in a register, ptxas ORs it in the same
+# lop3 as the mask). A nibble OR-ed into its mantissa at bit b reads 1 + q * 2**(b - 23).
+ONE_BITS = 0x3F800000
+
+
+@triton.jit
+def _int4_stream_gemv_kernel(
+    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
+    words_per_split, one_bits,
+    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row of x against ROWS weight rows, BLOCK_W words of each per step (whole groups; split
+    along K when the rows alone leave SMs idle). No int-to-float conversion: one shift brings two
+    nibbles of a word (k = 8c + 2i and 8c + 2i + 1) to mantissa bits 15 and 19, one lop3 each masks
+    one and ORs in the exponent of 1.0, so the float32 reads 1 + q * 2**-8 (k even) or
+    1 + q * 2**-4 (k odd), and one FMA each multiplies it by x * 16 (even) or x (odd): 2.5
+    instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
+    16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
+    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9)."""
+    WPG: tl.constexpr = GROUP // 8  # words a group
+    GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    w_begin = tl.program_id(1) * words_per_split
+    g_end = tl.minimum(w_begin + words_per_split, K // 8) // WPG
+    gs = tl.arange(0, GPS)
+    words = gs[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GPS, WPG], from the step's first
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
+    z_rows = zeros_ptr + rows.to(tl.int64)[:, None] * stride_g
+    s_rows = scales_ptr + rows.to(tl.int64)[:, None] * stride_g
+    # Weights are never written, so the first step's may be read before the previous kernel ends;
+    # each step loads the next one's before its math.
+    p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, w_begin // WPG + gs, g_end, WPG)
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([ROWS, GPS], dtype=tl.float32)
+    for c0 in range(w_begin, g_end * WPG, BLOCK_W):
+        g = c0 // WPG + gs
+        p_next, z_next, s_next = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g + GPS, g_end, WPG)
+        g_ok = g < g_end
+        k8 = (c0 + words) * 8
+        sums = tl.zeros([ROWS, GPS, WPG], dtype=tl.float32)
+        x_even = tl.zeros([GPS, WPG], dtype=tl.float32)
+        x_odd = tl.zeros([GPS, WPG], dtype=tl.float32)
+        for i in tl.static_range(4):
+            x0 = tl.load(x_ptr + k8 + 2 * i, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k8 + 2 * i + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            if i < 2:  # nibble 2i (bits 8i..8i+3) to bit 15, nibble 2i + 1 to bit 19
+                t = p << (15 - 8 * i)
+            else:
+                t = p >> (8 * i - 15)
+            sums += ((t & 0x78000) | one_bits).to(tl.float32, bitcast=True) * (x0 * 16.0)[None, :, :]
+            sums += ((t & 0x780000) | one_bits).to(tl.float32, bitcast=True) * x1[None, :, :]
+            x_even += x0
+            x_odd += x1
+        e = tl.sum(x_even, axis=1)
+        o = tl.sum(x_odd, axis=1)
+        qx = tl.sum(sums, axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
+        acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
+        p, z, s = p_next, z_next, s_next
+    y = tl.sum(acc, axis=1) * 16.0
+    store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -185,26 +253,26 @@ def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
     HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
-    # contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
-    # contiguously, as in the GEMM below; products are summed per group, then scaled.
-    # The next step's weights are loaded before this step's math, and the first step's before the
-    # wait for the previous kernel (weights are never written, so they may be read before it ends).
+    """One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
+    contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
+    contiguously, as in the GEMM below; products are summed per group, then scaled. The next
+    step's weights are loaded before this step's math, and the first step's before the wait for
+    the previous kernel (weights are never written, so they may be read before it ends)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     gs = tl.arange(0, GROUPS)
     ks = tl.arange(0, GROUP)
     shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
     w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
-    g_rows = rows.to(tl.int64)[:, None] * stride_g
+    z_rows = zeros_ptr + rows.to(tl.int64)[:, None] * stride_g
+    s_rows = scales_ptr + rows.to(tl.int64)[:, None] * stride_g
     num_groups = K // GROUP
-    p, z, s = _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, gs, num_groups, GROUP)
+    p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, gs, num_groups, GROUP // 8)
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
     for g0 in range(0, num_groups, GROUPS):
         g = g0 + gs
-        p_next, z_next, s_next = _int4_gemv_tile(w_rows, zeros_ptr, scales_ptr, g_rows, row_ok, g + GROUPS,
-                                                 num_groups, GROUP)
+        p_next, z_next, s_next = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g + GROUPS, num_groups, GROUP // 8)
         xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=(g < num_groups)[:, None], other=0.0)
         p = tl.interleave(p, p)
         p = tl.interleave(p, p)
@@ -344,12 +412,26 @@ def matmul_config(rows: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
-def gemv_config(in_features: int, group_size: int) -> dict[str, int]:
-    """The one-row kernel's tiling: 4 weight rows a program, 1,024 input features an iteration (the
-    best of an H200 sweep at Llama-3.2-1B's projections, L2 flushed: 43.8 us a layer against 50.2
-    for the split-K kernel it replaced)."""
+# One-row kernels by weight size. A small weight (a few MB: Llama-3.2-1B's QKV and O) is latency-bound:
+# _int4_gemv_kernel's many small programs put all of it in flight at once. A large one (its gate/up
+# and down) is bound by instruction issue: _int4_stream_gemv_kernel takes half the instructions a
+# weight. H200, a CUDA graph of 16 calls, us a call (latency / stream kernel): QKV 4.7 / 5.7,
+# O 3.3 / 4.0, gate/up 14.7 / 10.7, down 9.1 / 8.8.
+STREAM_WEIGHTS = 8 << 20
+
+
+def latency_gemv_config(in_features: int, group_size: int) -> dict[str, int]:
+    """_int4_gemv_kernel's tiling: 4 weight rows a program, 1,024 input features a step (the best of
+    an H200 sweep at Llama-3.2-1B's projections)."""
     groups = min(max(1, 1024 // group_size), triton.next_power_of_2(in_features // group_size))
     return dict(ROWS=4, GROUPS=groups, num_warps=4, num_stages=1)
+
+
+def stream_gemv_config(group_size: int) -> dict[str, int]:
+    """_int4_stream_gemv_kernel's tiling: 16 weight rows a program of one warp, 64 words of each a
+    step (8 rows of 4 words a thread; the best of an H200 sweep over 4-64 rows, 32-256 words and
+    1-8 warps at Llama-3.2-1B's gate/up and down)."""
+    return dict(ROWS=16, BLOCK_W=max(64, group_size // 8), num_warps=1, num_stages=1)
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -374,11 +456,21 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
-    if rows == 1:
-        cfg = gemv_config(in_features, group_size)
+    if rows == 1 and out_features * in_features < STREAM_WEIGHTS:
+        cfg = latency_gemv_config(in_features, group_size)
         _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
             x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
             HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
+        return out.view(*x.shape[:-1], out_features)
+    if rows == 1:
+        cfg = stream_gemv_config(group_size)
+        tiles = triton.cdiv(out_features, cfg["ROWS"])
+        split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
+        part, counts = split_workspace(out, split_k, tiles)
+        _int4_stream_gemv_kernel[(tiles, split_k)](
+            x2, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
+            zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
+            PDL=pdl, **cfg, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
