@@ -15,13 +15,9 @@ from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-# The one-row kernel sums 1 + q * 2**-8 (not q) per weight in float32: about 2**-20 of sum |x| lost
-# (~1e-5 on these O(1) outputs; bfloat16 rounds them to 2**-9).
-GEMV_FP32 = dict(atol=5e-5, rtol=1e-5)
-
-
-def tolerance(dtype: torch.dtype, rows: int) -> dict[str, float]:
-    return GEMV_FP32 if dtype == torch.float32 and rows == 1 else TOLERANCE[dtype]
+# The one-row kernel for large weights sums 1 + q * 2**-8 (not q) per weight in float32: about
+# 2**-20 of sum |x| lost (~1e-5 on these O(1) outputs; bfloat16 rounds them to 2**-9).
+STREAM_TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-5), torch.float16: TOLERANCE[torch.float16]}
 
 
 def int4_weight(in_features: int, out_features: int, group_size: int,
@@ -112,7 +108,7 @@ def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, ro
     # float32: against exact dequantization (the reference rounds W to the scales' float16).
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref, **tolerance(dtype, rows))
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,7 +129,7 @@ def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, g
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, group_size, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
-    torch.testing.assert_close(out, ref, **tolerance(dtype, 1))
+    torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
@@ -161,7 +157,7 @@ def test_int4_linear_masks_a_partial_k_tile(triton_interpreter, dtype, rows) -> 
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, 64, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias)
-    torch.testing.assert_close(out, ref, **tolerance(dtype, rows))
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -173,7 +169,7 @@ def test_int4_linear_takes_batched_and_strided_inputs(triton_interpreter, rows) 
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, 32)
     assert out.shape == (2, rows, 64)
-    torch.testing.assert_close(out, int4_linear_ref(x, weight, zeros, scales.float(), 32), **tolerance(torch.float32, rows))
+    torch.testing.assert_close(out, int4_linear_ref(x, weight, zeros, scales.float(), 32), **TOLERANCE[torch.float32])
 
 
 def test_int4_linear_rejects_a_group_size_that_does_not_tile_k(triton_interpreter) -> None:
