@@ -27,8 +27,8 @@ accumulation), by the number of rows M:
     [BLOCK_N, BLOCK_K] is each word interleaved 8 times along K and shifted per column;
   - M > GEMM_ROWS: the weight dequantized into x's dtype by a third kernel, then cuBLAS.
 On an H200, per Llama-3.2-1B layer (bench: the four projections, bf16 activations), against the
-kernels over AWQ's own K-major layout: 58 against 82 us at M = 1 (bf16 cuBLAS: 65; the GEMV above
-has since taken it to 44, with L2 flushed before each call), 72 against 96 at
+kernels over AWQ's own K-major layout: 58 against 82 us at M = 1 (bf16 cuBLAS: 65; STREAM_WEIGHTS has
+the one-row kernels' figures now), 72 against 96 at
 M = 8, 107 against 130 at M = 64, 344 against 702 at M = 512, 628 (dequantize + cuBLAS) against
 1,952 at M = 2,048.
 The GEMM splits K when the output tiles alone would leave SMs idle; the last split of each output
@@ -456,21 +456,21 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
-    if rows == 1 and out_features * in_features < STREAM_WEIGHTS:
-        cfg = latency_gemv_config(in_features, group_size)
-        _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
-            x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-            HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
-        return out.view(*x.shape[:-1], out_features)
     if rows == 1:
-        cfg = stream_gemv_config(group_size)
-        tiles = triton.cdiv(out_features, cfg["ROWS"])
-        split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
-        part, counts = split_workspace(out, split_k, tiles)
-        _int4_stream_gemv_kernel[(tiles, split_k)](
-            x2, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
-            zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
-            PDL=pdl, **cfg, **launch_options(pdl))
+        if out_features * in_features < STREAM_WEIGHTS:
+            cfg = latency_gemv_config(in_features, group_size)
+            _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
+                x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
+                HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
+        else:
+            cfg = stream_gemv_config(group_size)
+            tiles = triton.cdiv(out_features, cfg["ROWS"])
+            split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
+            part, counts = split_workspace(out, split_k, tiles)
+            _int4_stream_gemv_kernel[(tiles, split_k)](
+                x2, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
+                zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
+                PDL=pdl, **cfg, **launch_options(pdl))
         return out.view(*x.shape[:-1], out_features)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
