@@ -19,22 +19,6 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """The device's int32 counters at which the programs sharing one output count themselves in, so
-    that the last to arrive finishes the output (split-K GEMMs, split decode attention) in the same
-    kernel. Every kernel sets the counters it used back to zero, and kernels on one stream never
-    overlap (PDL's wait comes before any count), so all share them. Made on the first call, which
-    precedes any CUDA graph capture; `count` never outgrows 65,536 (the grids that use them are
-    small)."""
-    counts = _ARRIVAL_COUNTS.get(device)
-    if counts is None or counts.numel() < count:
-        counts = _ARRIVAL_COUNTS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-    return counts
-
-
 def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """A tensor of host values on `device`, queued behind the device's work instead of waiting for
     it: torch.tensor(..., device="cuda") copies from pageable memory, which waits for the stream."""

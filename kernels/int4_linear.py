@@ -42,8 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import (arrival_counters, launch_options, programmatic_launch, use_triton,
-                              wait_for_previous_kernel)
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a pack sits in nibble AWQ_REVERSE_ORDER[j]
@@ -358,14 +357,21 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
     return out
 
 
+_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
 def split_workspace(out: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """store_tile's split-K buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols]
-    and the per-tile arrival counters (`arrival_counters`; K is split only on grids of fewer than
-    four programs per SM). Without split-K neither is read: `out` stands in for both."""
+    and the device's per-tile arrival counters (zero between calls; kernels on one stream never
+    overlap, so they share them). The counters are made on the first call, which precedes any graph
+    capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
+    Without split-K neither is read: `out` stands in for both."""
     if split_k == 1:
         return out, out
-    return (torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device),
-            arrival_counters(out.device, tiles))
+    counts = _TILE_COUNTS.get(out.device)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device), counts
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
-from kernels.dispatch import _ARRIVAL_COUNTS
-from kernels.int4_linear import gemv_split
+from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -78,6 +77,6 @@ def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_inte
     x = torch.randn(1, 1024, generator=gen)
     assert gemv_split(3, 256, 64, x.device)[0] == 4
     first = fp8_linear(x, weight, scale)
-    assert not _ARRIVAL_COUNTS[x.device].any()
+    assert not _TILE_COUNTS[x.device].any()
     torch.testing.assert_close(fp8_linear(x, weight, scale), first, rtol=0, atol=0)
     torch.testing.assert_close(first, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
