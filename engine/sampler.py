@@ -168,9 +168,10 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tens
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """scores.argmax(dim=-1) for [B, V] float scores, the first index of each row's maximum. On a GPU a
-    row is cut into up to 256 equal chunks first: torch reduces one row with one thread block, which
-    took 27 us of a 1 ms decode step over Llama 3's 128,256 logits (H200); the two passes take 9."""
+    """scores.argmax(dim=-1) for [B, V] float scores, the first index of each row's maximum. A row is
+    cut into up to 256 equal chunks first, on every device (same result, one code path): on a GPU
+    torch reduces one row with one thread block, which took 27 us of a 1 ms decode step over
+    Llama 3's 128,256 logits (H200); the two passes take 9."""
     rows, vocab = scores.shape
     chunks = next((c for c in (256, 128, 64, 32, 16) if vocab % c == 0), 1)
     if chunks == 1:
