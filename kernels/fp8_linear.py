@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.int4_linear import (gemv_split, matmul_config, split_k_for, split_workspace, store_tile,
-                                 tile_coords)
+from kernels.int4_linear import (gate_up_rows, gemv_split, matmul_config, split_k_for, split_workspace, store_silu_mul,
+                                 store_tile, sum_splits, tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -37,11 +38,13 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference: dequantize the weight, then x [M, K] @ W.T → [M, N] in x's dtype."""
+                   bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """Torch reference: dequantize the weight, then x [M, K] @ W.T → [M, N] in x's dtype (SiLU·up →
+    [M, N / 2])."""
     w = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
     y = x @ w.t()
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return activation.silu_mul_ref(y) if silu_mul else y
 
 
 @triton.jit
@@ -113,16 +116,19 @@ def _e4m3x4_to_f32(words):
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, words_per_split, sign_exp_man,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    CVT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr, CVT: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, read as int32 words of four e4m3 bytes (split along K
     when the rows alone leave SMs idle). Each thread keeps float32 sums per word it reads, reduced
     once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
     per step. CVT: decode with the hardware conversion (GPU); else with integer ops (the exact
-    same values, and what Triton's CPU interpreter can run)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
+    same values, and what Triton's CPU interpreter can run). SILU_MUL: as in the INT4 one."""
+    if SILU_MUL:
+        rows, row_ok = gate_up_rows(tl.program_id(0) * (ROWS // 2), N // 2, ROWS)
+    else:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
     w_begin = tl.program_id(1) * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, K // 4)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -153,8 +159,12 @@ def _fp8_gemv_kernel(
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     if not CVT:
         scale *= 1.329227995784916e36  # 2**120
-    store_tile((tl.sum(acc, axis=1) * scale)[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows,
-               1, N, HAS_BIAS, SPLIT_K)
+    y = tl.sum(acc, axis=1) * scale
+    if SILU_MUL:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_silu_mul(y, ok, out_ptr, bias_ptr, rows, tl.program_id(0) * (ROWS // 2), N // 2, HAS_BIAS, ROWS // 2)
+    else:
+        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,7 +180,7 @@ def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tens
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
@@ -178,36 +188,59 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = x2.shape[0]
-    if rows == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 1 and in_features % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0:
+        out = _fp8_gemv(x2, weight, weight_scale, bias, silu_mul)
+    else:
+        out = _fp8_matmul(x2, weight, weight_scale, bias)
+        if silu_mul:
+            out = activation.silu_mul(out)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+              silu_mul: bool) -> torch.Tensor:
+    """One row x [1, K] through _fp8_gemv_kernel: [1, N], or [1, N / 2] with silu_mul. 16 weight
+    rows a program of 2 warps, 64 words (256 bytes) of each per step, split along K up to ~8
+    programs per SM (best of H200 sweeps at Llama-3.2-1B's projections: with the hardware decode,
+    2 warps against 4 took a decode step 0.82 → 0.77 ms)."""
+    out_features, in_features = weight.shape
+    words = weight.view(torch.uint8).view(torch.int32)
+    outputs = out_features // 2 if silu_mul else out_features
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(outputs, 8 if silu_mul else 16)
+    split_k, per_split = gemv_split(tiles, in_features // 4, 64, x.device)
+    part, counts = split_workspace(out, split_k, tiles, out_features)
     pdl = programmatic_launch(x)
-    if rows == 1 and in_features % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0:
-        # Decode at batch 1: 16 weight rows a program of 2 warps, 64 words (256 bytes) of each per
-        # step, split along K up to ~8 programs per SM (best of H200 sweeps at Llama-3.2-1B's
-        # projections: with the hardware decode, 2 warps against 4 took a decode step 0.82 → 0.77 ms).
-        words = weight.view(torch.uint8).view(torch.int32)
-        tiles = triton.cdiv(out_features, 16)
-        split_k, per_split = gemv_split(tiles, in_features // 4, 64, x.device)
-        part, counts = split_workspace(out, split_k, tiles)
-        _fp8_gemv_kernel[(tiles, split_k)](
-            x2, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
-            in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, ROWS=16, BLOCK_W=64,
-            SPLIT_K=split_k, PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_warps=2, num_stages=1, **launch_options(pdl))
-        return out.view(*x.shape[:-1], out_features)
+    _fp8_gemv_kernel[(tiles, split_k)](
+        x, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
+        in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, ROWS=16, BLOCK_W=64,
+        SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_warps=2, num_stages=1,
+        **launch_options(pdl))
+    return out
+
+
+def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T + bias → [M, N] by the tile GEMM (any M; one row too where the GEMV's word
+    loads do not align)."""
+    out_features, in_features = weight.shape
+    rows = x.shape[0]
+    if rows == 0:
+        return x.new_empty(0, out_features)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     cfg = matmul_config(rows)
     block_k = 64
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, triton.cdiv(in_features, block_k), in_features, x.device)
     part, counts = split_workspace(out, split_k, num_tiles)
+    pdl = programmatic_launch(x)
     _fp8_matmul_kernel[(num_tiles, split_k)](
-        x2, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
-        rows, out_features, in_features, x2.stride(0), weight.stride(0), per_split,
+        x, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
+        rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         HAS_BIAS=bias is not None, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
         PDL=pdl, **cfg, **launch_options(pdl),
     )
-    return out.view(*x.shape[:-1], out_features)
+    return out
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,11 +281,13 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """y = x @ W.T + bias for an FP8 weight: _scaled_mm for prefill where it runs, the Triton kernel
-    for decode (and under the interpreter), else the torch reference."""
+    for decode (and under the interpreter), else the torch reference. With silu_mul, W is a merged
+    gate/up weight and the result SiLU(gate) * up [..., N / 2] (in the one-row kernel's epilogue)."""
     if not use_triton(x):
-        return fp8_linear_ref(x, weight, weight_scale, bias)
+        return fp8_linear_ref(x, weight, weight_scale, bias, silu_mul)
     if use_scaled_mm(x, weight):
-        return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    return fp8_linear_triton(x, weight, weight_scale, bias)
+        y = fp8_linear_scaled_mm(x, weight, weight_scale, bias)
+        return activation.silu_mul(y) if silu_mul else y
+    return fp8_linear_triton(x, weight, weight_scale, bias, silu_mul)

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
@@ -120,11 +121,12 @@ def dequantize_int4(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Ten
 
 
 def int4_linear_ref(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                    group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference: dequantize, then x [M, K] @ W.T → [M, N] in x's dtype."""
+                    group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """Torch reference: dequantize, then x [M, K] @ W.T → [M, N] in x's dtype (SiLU·up → [M, N / 2])."""
     w = dequantize_int4(weight, zeros, scales, group_size).to(x.dtype)
     y = x @ w.t()
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return activation.silu_mul_ref(y) if silu_mul else y
 
 
 @triton.jit
@@ -141,27 +143,60 @@ def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
 
 
 @triton.jit
-def store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr,
-               SPLIT_K: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] float32 result in out's dtype, bias added. With split-K, each split
-    stores its float32 partial and counts itself in at its tile's counter; the last split to arrive
-    sums the partials and writes the output (no second kernel: a launch less per projection) and
-    sets the counter back to zero for the next call (CUDA graph replays included)."""
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+def sum_splits(acc, part_ptr, count_ptr, offs, mask, numel, SPLIT_K: tl.constexpr):
+    """Split-K without a second kernel (a launch less per projection): each split stores its float32
+    partial `acc` (at `offs` of a [SPLIT_K, numel] buffer) and counts itself in at its tile's
+    counter; the last split to arrive gets the sum of them all, the others a mask of False, so only
+    the last stores the result. It sets the counter back to zero for the next call (CUDA graph
+    replays included). Without split-K: (acc, mask) as they are."""
     if SPLIT_K > 1:
-        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * N + offs, acc, mask=mask)
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * numel + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the count says so (release below)
         arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
         last = arrived == SPLIT_K - 1
         mask = mask & last
         acc = tl.zeros_like(acc)
         for split in range(SPLIT_K):  # .cg: from L2, where the other SMs' partials are
-            acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            acc += tl.load(part_ptr + split * numel + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + tl.program_id(0), 0, mask=last)
+    return acc, mask
+
+
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] float32 result in out's dtype, bias added, its splits summed first."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc, mask = sum_splits(acc, part_ptr, count_ptr, offs, mask, M * N, SPLIT_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gate_up_rows(first, half, ROWS: tl.constexpr):
+    """A one-row kernel's weight rows when it ends in SiLU·up (see store_silu_mul): gate rows
+    first .. first + ROWS/2 of a merged gate/up weight [2 * half, K], each followed by its up row
+    (half further on). Returns (rows, row_ok)."""
+    r = tl.arange(0, ROWS)
+    pair = first + r // 2
+    return pair + (r % 2) * half, pair < half
+
+
+@triton.jit
+def store_silu_mul(y, ok, out_ptr, bias_ptr, rows, first, half, HAS_BIAS: tl.constexpr, PAIRS: tl.constexpr):
+    """SiLU(gate) * up from a one-row kernel's float32 outputs y [2 * PAIRS] of gate_up_rows' rows
+    (ok: row_ok, after sum_splits), into out[first .. first + PAIRS). Each output is rounded to out's
+    dtype first, so the result is bit for bit what kernels/activation.py makes of the stored
+    projection, without its kernel."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
+    gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [PAIRS, 2]))
+    cols = first + tl.arange(0, PAIRS)
+    tl.store(out_ptr + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
 
 
 @triton.jit
@@ -194,7 +229,7 @@ def _int4_stream_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
     words_per_split, one_bits,
     HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, BLOCK_W words of each per step (whole groups; split
     along K when the rows alone leave SMs idle). No int-to-float conversion: one shift brings two
@@ -203,11 +238,15 @@ def _int4_stream_gemv_kernel(
     1 + q * 2**-4 (k odd), and one FMA each multiplies it by x * 16 (even) or x (odd): 2.5
     instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
     16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
-    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9)."""
+    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). SILU_MUL: the weight is a merged
+    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_silu_mul)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
+    if SILU_MUL:
+        rows, row_ok = gate_up_rows(tl.program_id(0) * (ROWS // 2), N // 2, ROWS)
+    else:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
     w_begin = tl.program_id(1) * words_per_split
     g_end = tl.minimum(w_begin + words_per_split, K // 8) // WPG
     gs = tl.arange(0, GPS)
@@ -245,7 +284,11 @@ def _int4_stream_gemv_kernel(
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1) * 16.0
-    store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+    if SILU_MUL:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_silu_mul(y, ok, out_ptr, bias_ptr, rows, tl.program_id(0) * (ROWS // 2), N // 2, HAS_BIAS, ROWS // 2)
+    else:
+        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -360,8 +403,10 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
 _TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
-def split_workspace(out: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """store_tile's split-K buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols]
+def split_workspace(out: torch.Tensor, split_k: int, tiles: int, cols: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_splits' buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols] (cols
+    given when the partials are wider than out: before SiLU·up)
     and the device's per-tile arrival counters (zero between calls; kernels on one stream never
     overlap, so they share them). The counters are made on the first call, which precedes any graph
     capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
@@ -371,7 +416,8 @@ def split_workspace(out: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.
     counts = _TILE_COUNTS.get(out.device)
     if counts is None or counts.numel() < tiles:
         counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
-    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device), counts
+    shape = (out.shape[0], cols or out.shape[1])
+    return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,7 +481,7 @@ def stream_gemv_config(group_size: int) -> dict[str, int]:
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                       group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
     out_features, words = weight.shape
     in_features = words * 8
@@ -448,47 +494,72 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = x2.shape[0]
+    if x2.shape[0] == 1 and out_features * in_features >= STREAM_WEIGHTS:
+        out = _stream_gemv(x2, weight, zeros, scales, group_size, bias, silu_mul)
+    else:
+        out = _int4_matmul(x2, weight, zeros, scales, group_size, bias)
+        if silu_mul:
+            out = activation.silu_mul(out)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _stream_gemv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """One row x [1, K] through _int4_stream_gemv_kernel: [1, N], or [1, N / 2] with silu_mul."""
+    out_features, words = weight.shape
+    cfg = stream_gemv_config(group_size)
+    outputs = out_features // 2 if silu_mul else out_features
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
+    part, counts = split_workspace(out, split_k, tiles, out_features)
+    pdl = programmatic_launch(x)
+    _int4_stream_gemv_kernel[(tiles, split_k)](
+        x, weight, zeros, scales, bias, out, part, counts, out_features, words * 8, weight.stride(0),
+        zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
+        SILU_MUL=silu_mul, PDL=pdl, **cfg, **launch_options(pdl))
+    return out
+
+
+def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W.T + bias → [M, N] by M: the latency GEMV (one row, small weights), the tile
+    GEMM (up to GEMM_ROWS) or the weight dequantized once and cuBLAS (prefill)."""
+    out_features, words = weight.shape
+    in_features = words * 8
+    rows = x.shape[0]
     if rows == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
+        return x.new_empty(0, out_features)
     if rows > GEMM_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
         w = dequantize_int4_triton(weight, zeros, scales, group_size, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
     if rows == 1:
-        if out_features * in_features < STREAM_WEIGHTS:
-            cfg = latency_gemv_config(in_features, group_size)
-            _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
-                x2, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-                HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
-        else:
-            cfg = stream_gemv_config(group_size)
-            tiles = triton.cdiv(out_features, cfg["ROWS"])
-            split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
-            part, counts = split_workspace(out, split_k, tiles)
-            _int4_stream_gemv_kernel[(tiles, split_k)](
-                x2, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
-                zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
-                PDL=pdl, **cfg, **launch_options(pdl))
-        return out.view(*x.shape[:-1], out_features)
+        cfg = latency_gemv_config(in_features, group_size)
+        _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
+            x, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
+            HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
+        return out
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
     split_k, per_split = split_k_for(rows, num_tiles, in_features // block_k, in_features, x.device)
     part, counts = split_workspace(out, split_k, num_tiles)
     _int4_matmul_kernel[(num_tiles, split_k)](
-        x2, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x2.stride(0),
+        x, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x.stride(0),
         weight.stride(0), zeros.stride(0), group_size, per_split,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32,
         PDL=pdl, **cfg, **launch_options(pdl))
-    return out.view(*x.shape[:-1], out_features)
+    return out
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T + bias for W in the runtime layout (see repack_awq); Triton where `use_triton`
-    says so, else the reference."""
+                group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """y = x @ W.T + bias for W in the runtime layout (see repack_awq); with silu_mul, W is a merged
+    gate/up weight and the result SiLU(gate) * up over y's two halves [..., N / 2] (in the one-row
+    stream kernel's epilogue: a kernel less per decode layer). Triton where `use_triton` says so,
+    else the reference."""
     if use_triton(x):
-        return int4_linear_triton(x, weight, zeros, scales, group_size, bias)
-    return int4_linear_ref(x, weight, zeros, scales, group_size, bias)
+        return int4_linear_triton(x, weight, zeros, scales, group_size, bias, silu_mul)
+    return int4_linear_ref(x, weight, zeros, scales, group_size, bias, silu_mul)

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
+from kernels import activation
 from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
 from kernels.int4_linear import dequantize_int4, int4_linear, repack_awq
 
@@ -32,8 +33,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x W^T + b; with silu_mul (a merged gate/up layer), SiLU(gate) * up over its two halves."""
+        y = F.linear(x, self.weight, self.bias)
+        return activation.silu_mul(y) if silu_mul else y
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
@@ -80,8 +83,9 @@ class Int4Linear(nn.Module):
         """W [N, K] in float16 (for tests and tools), from the runtime layout."""
         return dequantize_int4(self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias,
+                           silu_mul)
 
     def _runtime_weight(self) -> nn.Parameter:
         if self.weight is None:
@@ -130,8 +134,8 @@ class Fp8Linear(nn.Module):
         self.weight_scale = _frozen((out_features,), torch.float32)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads

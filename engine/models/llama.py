@@ -17,7 +17,6 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import make_linear
 from engine.models.sharding import ModelShard
-from kernels.activation import silu_mul
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
@@ -71,7 +70,8 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.o_proj(attn.reshape(tokens, -1)))
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(hidden))))
+        # SiLU·up goes with the gate/up projection, whose one-row quantized kernels apply it as they store.
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(hidden, silu_mul=True)))
 
 
 class DecoderModel(nn.Module):

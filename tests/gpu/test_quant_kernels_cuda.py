@@ -99,6 +99,24 @@ def test_fp8_triton_prefill(rows: int, shape: tuple[int, int]) -> None:
     assert rel_err(out, fp8_linear_ref(x, weight, scale)) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gate_up_silu_mul_is_the_projection_then_the_activation_kernel(dtype: torch.dtype, rows: int) -> None:
+    """One row: SiLU·up in the one-row kernels' epilogue; 8: the activation kernel after the GEMM.
+    Both bit for bit the projection stored, then silu_mul."""
+    k, n = SHAPES["gate_up"]
+    w4 = int4_weight(k, n)
+    weight, scale = fp8_weight(k, n)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    with nan_poisoned_allocations():
+        int4_out = int4_linear(x, *w4, 128, silu_mul=True)
+        fp8_out = fp8_linear(x, weight, scale, silu_mul=True)
+    assert int4_out.shape == fp8_out.shape == (rows, n // 2)
+    assert torch.equal(int4_out, silu_mul(int4_linear(x, *w4, 128)))
+    assert torch.equal(fp8_out, silu_mul(fp8_linear(x, weight, scale)))
+    assert rel_err(int4_out, int4_linear_ref(x, *w4, 128, silu_mul=True)) < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_bias_and_batched_inputs(rows: int) -> None:
     in_features, out_features = SHAPES["qkv"]
@@ -164,9 +182,9 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 
     def chain() -> torch.Tensor:
         x, residual = rms_norm(h, norm, 1e-5)
-        x = int4_linear(silu_mul(int4_linear(x, *w4_up, 128)), *w4_down, 128)
+        x = int4_linear(int4_linear(x, *w4_up, 128, silu_mul=True), *w4_down, 128)
         x, residual = rms_norm(x, norm, 1e-5, residual)
-        return fp8_linear(silu_mul(fp8_linear(x, *fp8_up)), *fp8_down) + residual
+        return fp8_linear(fp8_linear(x, *fp8_up, silu_mul=True), *fp8_down) + residual
 
     outputs = []
     for enabled in (False, True):

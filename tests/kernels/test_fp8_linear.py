@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.activation import silu_mul
 from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
 from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -80,3 +81,23 @@ def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_inte
     assert not _TILE_COUNTS[x.device].any()
     torch.testing.assert_close(fp8_linear(x, weight, scale), first, rtol=0, atol=0)
     torch.testing.assert_close(first, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, in_features, out_features", [(1, 256, 200), (1, 1024, 48), (3, 256, 200)],
+                         ids=["partial-pairs", "split-k", "gemm"])
+def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, dtype, rows, in_features,
+                                                                    out_features) -> None:
+    # One row: SiLU·up in the one-row kernel's epilogue (100 outputs in 8-pair tiles, the last
+    # partial; or 24 outputs in 3 tiles split along K), after rounding gate and up to x's dtype, so
+    # bit for bit the projection followed by silu_mul. More rows: the activation kernel after the GEMM.
+    gen = torch.Generator().manual_seed(in_features + rows)
+    weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        fused = fp8_linear(x, weight, scale, bias, silu_mul=True)
+        apart = silu_mul(fp8_linear(x, weight, scale, bias))
+    assert fused.shape == (rows, out_features // 2) and torch.equal(fused, apart)
+    torch.testing.assert_close(fused, fp8_linear_ref(x, weight, scale, bias, silu_mul=True), **TOLERANCE[dtype])
+    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()

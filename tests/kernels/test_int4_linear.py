@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kernels.int4_linear as int4_linear_module
+from kernels.activation import silu_mul
 from kernels.int4_linear import (
     _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
     int4_linear, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq, unpack_int4,
@@ -131,6 +132,36 @@ def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, g
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features, out_features", [(256, 200), (4096, 40)], ids=["partial-pairs", "split-k"])
+def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, monkeypatch, dtype, in_features,
+                                                             out_features) -> None:
+    # A merged gate/up weight [2 * 100, K]: 100 outputs, the last 8-pair tile partial; at 4,096
+    # features the 20 outputs' 3 tiles are split along K. The fused epilogue rounds gate and up to
+    # x's dtype first, so it matches the stored projection followed by silu_mul bit for bit.
+    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight, zeros, scales = int4_weight(in_features, out_features, 64, gen)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        fused = int4_linear(x, weight, zeros, scales, 64, bias, silu_mul=True)
+        apart = silu_mul(int4_linear(x, weight, zeros, scales, 64, bias))
+    assert fused.shape == (1, out_features // 2) and torch.equal(fused, apart)
+    ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias, silu_mul=True)
+    torch.testing.assert_close(fused, ref, **STREAM_TOLERANCE[dtype])
+    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_on_the_other_paths_is_the_activation_kernel(triton_interpreter, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, zeros, scales = int4_weight(256, 64, 32, gen)  # small: the latency GEMV at one row
+    x = torch.randn(rows, 256, generator=gen)
+    out = int4_linear(x, weight, zeros, scales, 32, silu_mul=True)
+    assert torch.equal(out, silu_mul(int4_linear(x, weight, zeros, scales, 32)))
 
 
 def test_split_k_leaves_its_tile_counters_at_zero(triton_interpreter) -> None:
