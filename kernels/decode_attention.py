@@ -16,17 +16,19 @@ from kernels.dispatch import launch_options, programmatic_launch, wait_for_previ
 
 
 @triton.jit
-def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, acc, scale,
-                   stride_c_blk, stride_c_pos, stride_c_kv,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step of flash attention: the query rows q [R, D] against the keys at
-    positions tok (valid where in range), gathered across KV blocks through one sequence's block
-    table; `seen` [R, T] masks what each row may attend to. Returns the updated (m, l, acc)."""
+def kv_tile_offsets(table_ptr, kv_head, tok, valid, stride_c_blk, stride_c_pos, stride_c_kv,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Offsets [T, D] into the K (or V) cache of one KV head at token positions tok (valid where in
+    range), gathered across KV blocks through one sequence's block table."""
     dims = tl.arange(0, HEAD_DIM)
     block = tl.load(table_ptr + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    kv_offs = (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
-    k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [T, D]
-    v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    return (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
+
+
+@triton.jit
+def attend(q, k, v, seen, m, l, acc, scale, IEEE: tl.constexpr):
+    """One online-softmax step of flash attention: the query rows q [R, D] against keys k and values
+    v [T, D]; `seen` [R, T] masks what each row may attend to. Returns the updated (m, l, acc)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -44,6 +46,18 @@ def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, 
 
 
 @triton.jit
+def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, acc, scale,
+                   stride_c_blk, stride_c_pos, stride_c_kv,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    """`attend` over the cached keys and values at positions tok (valid where in range)."""
+    kv_offs = kv_tile_offsets(table_ptr, kv_head, tok, valid, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE,
+                              HEAD_DIM)
+    k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [T, D]
+    v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    return attend(q, k, v, seen, m, l, acc, scale, IEEE)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale,
@@ -53,11 +67,23 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the wait for the previous kernel (rope_store_kv, which writes q and the newest token's
+    # keys and values): the lengths, block tables and older cache entries, which the step's earlier
+    # kernels and host copies wrote. The first tile's older keys and values are on their way while
+    # that kernel finishes; the newest token's row is read after the wait.
     seq_len = tl.load(lens_ptr + seq)
+    table_ptr = tables_ptr + seq * stride_tab
+    offs = tl.arange(0, TILE)
+    tok = split * TILE + offs
+    kv_offs = kv_tile_offsets(table_ptr, kv_head, tok, tok < seq_len, stride_c_blk, stride_c_pos, stride_c_kv,
+                              BLOCK_SIZE, HEAD_DIM)
+    older = (tok < seq_len - 1)[:, None]
+    k = tl.load(k_ptr + kv_offs, mask=older, other=0.0)
+    v = tl.load(v_ptr + kv_offs, mask=older, other=0.0)
+    wait_for_previous_kernel(PDL)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + rows
     head_ok = rows < GROUP
@@ -67,13 +93,17 @@ def _decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    offs = tl.arange(0, TILE)
+    if split * TILE < seq_len:  # else an empty split: no keys at all
+        newest = (tok == seq_len - 1)[:, None]
+        k = tl.where(newest, tl.load(k_ptr + kv_offs, mask=newest, other=0.0), k)
+        v = tl.where(newest, tl.load(v_ptr + kv_offs, mask=newest, other=0.0), v)
+        m, l, acc = attend(q, k, v, (tok < seq_len)[None, :], m, l, acc, scale, IEEE)
     # Splits take TILE-token tiles round-robin, so even a short context is spread over all of them;
     # a tile spans several KV blocks, gathered through the block table.
-    for start in range(split * TILE, seq_len, NUM_SPLITS * TILE):
+    for start in range((split + NUM_SPLITS) * TILE, seq_len, NUM_SPLITS * TILE):
         tok = start + offs
         valid = tok < seq_len
-        m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tab, kv_head, tok, valid, valid[None, :],
+        m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, valid[None, :],
                                    m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
     # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
     lse = tl.where(l > 0, m + tl.log(l), float("-inf"))

@@ -14,10 +14,12 @@ from tests.kernels.test_attention import dense_attention
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
 def test_decode_attention_matches_dense(triton_interpreter, dtype, num_splits, heads, kv_heads) -> None:
     gen = torch.Generator().manual_seed(num_splits * 10 + heads)
-    dim, block_size, num_blocks = 32, 4, 64
+    dim, block_size, num_blocks = 32, 4, 96
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    lens = [9, 1, 16, 30, 23, 4]  # mid-block, a single token, block edges, several blocks
+    # Mid-block, a single token, block edges, several blocks, several 64-token tiles (the first
+    # tile of each split is read partly before the wait for the previous kernel, the rest after).
+    lens = [9, 1, 16, 30, 23, 4, 150]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
     width = max(map(len, tables)) + 2  # wider than needed: entries past a sequence must not be read
