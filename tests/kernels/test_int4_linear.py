@@ -150,7 +150,8 @@ def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, 
         fused = int4_linear(x, weight, zeros, scales, 64, bias, silu_mul=True)
         apart = silu_mul(int4_linear(x, weight, zeros, scales, 64, bias))
     assert fused.shape == (1, out_features // 2) and torch.equal(fused, apart)
-    ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias, silu_mul=True)
+    exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
+    ref = int4_linear_ref(x, weight, zeros, exact_scales, 64, bias, silu_mul=True)
     torch.testing.assert_close(fused, ref, **STREAM_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
