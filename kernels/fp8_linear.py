@@ -22,8 +22,8 @@ import triton.language as tl
 
 from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.int4_linear import (gate_up_rows, gemv_split, matmul_config, split_k_for, split_workspace, store_silu_mul,
-                                 store_tile, sum_splits, tile_coords)
+from kernels.int4_linear import (gemv_split, matmul_config, one_row_rows, split_k_for, split_workspace, store_one_row,
+                                 store_tile, tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -124,11 +124,7 @@ def _fp8_gemv_kernel(
     once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
     per step. CVT: decode with the hardware conversion (GPU); else with integer ops (the exact
     same values, and what Triton's CPU interpreter can run). SILU_MUL: as in the INT4 one."""
-    if SILU_MUL:
-        rows, row_ok = gate_up_rows(tl.program_id(0) * (ROWS // 2), N // 2, ROWS)
-    else:
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N
+    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, K // 4)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -159,12 +155,8 @@ def _fp8_gemv_kernel(
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     if not CVT:
         scale *= 1.329227995784916e36  # 2**120
-    y = tl.sum(acc, axis=1) * scale
-    if SILU_MUL:
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_silu_mul(y, ok, out_ptr, bias_ptr, rows, tl.program_id(0) * (ROWS // 2), N // 2, HAS_BIAS, ROWS // 2)
-    else:
-        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+    store_one_row(tl.sum(acc, axis=1) * scale, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS,
+                  SPLIT_K, SILU_MUL, ROWS)
 
 
 @functools.lru_cache(maxsize=None)

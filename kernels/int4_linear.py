@@ -175,28 +175,39 @@ def store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HA
 
 
 @triton.jit
-def gate_up_rows(first, half, ROWS: tl.constexpr):
-    """A one-row kernel's weight rows when it ends in SiLU·up (see store_silu_mul): gate rows
-    first .. first + ROWS/2 of a merged gate/up weight [2 * half, K], each followed by its up row
-    (half further on). Returns (rows, row_ok)."""
+def one_row_rows(N, ROWS: tl.constexpr, SILU_MUL: tl.constexpr):
+    """(rows [ROWS], row_ok) of a one-row kernel's program over a weight [N, K]. With SILU_MUL (a
+    merged gate/up weight, whose output is SiLU(gate) * up [N / 2]: see store_one_row) they are the
+    program's ROWS / 2 gate rows, each followed by its up row N / 2 further on."""
     r = tl.arange(0, ROWS)
-    pair = first + r // 2
-    return pair + (r % 2) * half, pair < half
+    if SILU_MUL:
+        pair = tl.program_id(0) * (ROWS // 2) + r // 2
+        rows = pair + (r % 2) * (N // 2)
+        row_ok = pair < N // 2
+    else:
+        rows = tl.program_id(0) * ROWS + r
+        row_ok = rows < N
+    return rows, row_ok
 
 
 @triton.jit
-def store_silu_mul(y, ok, out_ptr, bias_ptr, rows, first, half, HAS_BIAS: tl.constexpr, PAIRS: tl.constexpr):
-    """SiLU(gate) * up from a one-row kernel's float32 outputs y [2 * PAIRS] of gate_up_rows' rows
-    (ok: row_ok, after sum_splits), into out[first .. first + PAIRS). Each output is rounded to out's
-    dtype first, so the result is bit for bit what kernels/activation.py makes of the stored
-    projection, without its kernel."""
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.reshape(y, [PAIRS, 2]))
-    gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [PAIRS, 2]))
-    cols = first + tl.arange(0, PAIRS)
-    tl.store(out_ptr + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
+def store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS: tl.constexpr,
+                  SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr):
+    """A one-row kernel's float32 outputs y [ROWS] for one_row_rows' rows, splits summed and bias
+    added, into out. With SILU_MUL, SiLU(gate) * up of each pair into out[pair]: gate and up are
+    rounded to out's dtype first, so the result is bit for bit what kernels/activation.py makes of
+    the stored projection, without its kernel."""
+    if SILU_MUL:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [ROWS // 2, 2]))
+        gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [ROWS // 2, 2]))
+        pairs = tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)
+        tl.store(out_ptr + pairs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
+    else:
+        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -239,14 +250,10 @@ def _int4_stream_gemv_kernel(
     instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
     16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
     2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). SILU_MUL: the weight is a merged
-    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_silu_mul)."""
+    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
-    if SILU_MUL:
-        rows, row_ok = gate_up_rows(tl.program_id(0) * (ROWS // 2), N // 2, ROWS)
-    else:
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N
+    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
     g_end = tl.minimum(w_begin + words_per_split, K // 8) // WPG
     gs = tl.arange(0, GPS)
@@ -283,12 +290,8 @@ def _int4_stream_gemv_kernel(
         qx = tl.sum(sums, axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
         p, z, s = p_next, z_next, s_next
-    y = tl.sum(acc, axis=1) * 16.0
-    if SILU_MUL:
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_silu_mul(y, ok, out_ptr, bias_ptr, rows, tl.program_id(0) * (ROWS // 2), N // 2, HAS_BIAS, ROWS // 2)
-    else:
-        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+    store_one_row(tl.sum(acc, axis=1) * 16.0, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS,
+                  SPLIT_K, SILU_MUL, ROWS)
 
 
 @triton.jit
