@@ -56,6 +56,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                              "to nearest); fp8-gptq: FP8 with per-channel scales, rounded by GPTQ on the calibration text")
     parser.add_argument("--group-size", type=int, default=None,
                         help="int4: input features per scale and zero point (default 128, or 64 or 32 where 128 does not fit the model)")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="int4: quantize lm_head too (quantization_config lm_head: true; AutoAWQ keeps it float, "
+                             "so other servers may not load the result; at batch 1 on a 1B model it is half the "
+                             "bytes a step reads)")
     parser.add_argument("--calibration-tokens", type=int, default=2048,
                         help="tokens of the shipped calibration text awq and fp8-gptq run through the model (default: all of it, ~1,700)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
@@ -65,7 +69,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 def quantize(args: argparse.Namespace) -> int:
     out = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.calibration_tokens,
-                              args.device)
+                              args.device, lm_head=args.lm_head)
     print(f"minillm: wrote {out}; serve it with `minillm serve --model {out}`", file=sys.stderr)
     return 0
 

@@ -65,12 +65,15 @@ from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import RANDOM_PREFIX, checkpoint_tensor_shapes, load_model, model_config, random_tensors  # noqa: E402
+from engine.models.linear import Int4Linear  # noqa: E402
 from engine.models.shapes import shape_config  # noqa: E402
-from engine.quantize import awq_quantization_config, default_group_size, export_awq  # noqa: E402
+from engine.quantize import awq_quantization_config, default_group_size, export_awq, lm_head_weight  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-SYSTEMS = ("minillm", "minillm-fp8", "minillm-int4", "transformers-dynamic", "transformers-static")
+# minillm-int4-lm-head: INT4 with lm_head int4 too (`minillm quantize --lm-head`; AutoAWQ keeps it float).
+SYSTEMS = ("minillm", "minillm-fp8", "minillm-int4", "minillm-int4-lm-head", "transformers-dynamic",
+           "transformers-static")
 METRICS = ("decode_tok_s", "ttft_ms", "kv_bytes")
 COMPILE_GUESS_S = 45.0  # one torch.compile of a decode step on the GPU machine, for the estimate only
 CHECK_TOKENS = 8  # greedy tokens compared between minillm and transformers (same-weights check)
@@ -445,13 +448,16 @@ def _ttft_rows(bench: Bench, engine: LLMEngine, model: str) -> None:
             bench.add(Row(model, "minillm", "kv_bytes", 1, length, value, round(theory / value, 5)))
 
 
-def int4_checkpoint(shape: str, seed: int, device: torch.device, out: Path) -> Path:
+def int4_checkpoint(shape: str, seed: int, device: torch.device, out: Path, lm_head: bool = False) -> Path:
     """The random weights of `shape`, round-to-nearest INT4 in AutoAWQ's layout, as a checkpoint
-    directory: what `minillm quantize --method rtn` writes for a real model."""
+    directory: what `minillm quantize --method rtn [--lm-head]` writes for a real model."""
     decoder = load_model(RANDOM_PREFIX + shape, torch.float32, device, seed=seed)
     group_size = default_group_size(decoder.cfg)  # 128 where the shapes allow
-    save_file(export_awq(decoder, group_size), str(out / "model.safetensors"))
-    config = shape_config(shape) | {"quantization_config": awq_quantization_config(group_size), "torch_dtype": "float16"}
+    head = (lm_head_weight(decoder), None) if lm_head else None
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(export_awq(decoder, group_size, lm_head=head), str(out / "model.safetensors"))
+    config = shape_config(shape) | {"quantization_config": awq_quantization_config(group_size, lm_head),
+                                    "torch_dtype": "float16"}
     (out / "config.json").write_text(json.dumps(config))
     del decoder
     release(device)
@@ -459,10 +465,12 @@ def int4_checkpoint(shape: str, seed: int, device: torch.device, out: Path) -> P
 
 
 def weight_floor(engine: LLMEngine, bytes_per_s: float) -> Floor:
-    """The floor of a loaded (quantized) model: every parameter and buffer byte it holds, read once."""
+    """The floor of a loaded (quantized) model: every parameter and buffer byte it holds, read once
+    (but for a float embedding beside an int4 lm_head: only looked up, a row a token)."""
     model = engine.model
+    lookup_only = model.embed_tokens.weight if isinstance(model.lm_head, Int4Linear) else None
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
-                  if t is not model.inv_freq)
+                  if t is not model.inv_freq and t is not lookup_only)
     return Floor(bytes_per_s, weights, engine.model_config.kv_bytes_per_token(model.embed_tokens.weight.element_size()))
 
 
@@ -471,8 +479,11 @@ def bench_quantized(bench: Bench, shape: str, tmp: Path) -> None:
     args, device = bench.args, bench.device
     model = RANDOM_PREFIX + shape
     int4_dir = bench.section(f"{shape} int4: write an RTN checkpoint",
-                             lambda: int4_checkpoint(shape, args.seed, device, Path(tmp)))
-    for system, source, quantization in (("minillm-fp8", model, "fp8"), ("minillm-int4", int4_dir, None)):
+                             lambda: int4_checkpoint(shape, args.seed, device, tmp / "int4"))
+    head_dir = bench.section(f"{shape} int4 with an int4 lm_head: write an RTN checkpoint",
+                             lambda: int4_checkpoint(shape, args.seed, device, tmp / "int4-lm-head", lm_head=True))
+    for system, source, quantization in (("minillm-fp8", model, "fp8"), ("minillm-int4", int4_dir, None),
+                                         ("minillm-int4-lm-head", head_dir, None)):
         if source is None:
             continue
         engine = bench.section(f"{shape} {system}: load and warm up",

@@ -8,8 +8,9 @@ perplexity guide does), so every scored token but those of the first window sees
 window - stride tokens of context.
 
 Systems: minillm (float32), minillm-bf16, minillm-fp8 (--quantization fp8, per-channel FP8 rounded
-to nearest at load), minillm-fp8-gptq, minillm-int4-rtn and minillm-int4-awq (quantized into a
-temporary directory by engine/quantize.py, the code behind `minillm quantize`). The quantized systems run in --dtype (default bfloat16, as
+to nearest at load), minillm-fp8-gptq, minillm-int4-rtn and minillm-int4-awq, and the two int4
+ones with lm_head int4 too (-lm-head: `minillm quantize --lm-head`), quantized into a
+temporary directory by engine/quantize.py, the code behind `minillm quantize`. The quantized systems run in --dtype (default bfloat16, as
 served on a GPU). A markdown table is printed last; JSON goes to --out.
 
     python bench/perplexity.py --out bench/results/<date>-cpu-perplexity.json   # CPU: a few minutes
@@ -40,8 +41,12 @@ from engine.quantize import quantize_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench" / "data" / "eval.txt"
-SYSTEMS = ("minillm", "minillm-bf16", "minillm-fp8", "minillm-fp8-gptq", "minillm-int4-rtn", "minillm-int4-awq")
-QUANTIZE_METHODS = {"minillm-fp8-gptq": "fp8-gptq", "minillm-int4-rtn": "rtn", "minillm-int4-awq": "awq"}
+SYSTEMS = ("minillm", "minillm-bf16", "minillm-fp8", "minillm-fp8-gptq", "minillm-int4-rtn", "minillm-int4-awq",
+           "minillm-int4-rtn-lm-head", "minillm-int4-awq-lm-head")
+# `minillm quantize` method and --lm-head of each quantized system.
+QUANTIZE_METHODS = {"minillm-fp8-gptq": ("fp8-gptq", False), "minillm-int4-rtn": ("rtn", False),
+                    "minillm-int4-awq": ("awq", False), "minillm-int4-rtn-lm-head": ("rtn", True),
+                    "minillm-int4-awq-lm-head": ("awq", True)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -119,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             elif system == "minillm-fp8":
                 model = load_model(src, quantized_dtype, device, quantization="fp8")
             else:
-                method = QUANTIZE_METHODS[system]
-                quantized = quantize_checkpoint(str(src), Path(tmp) / method, method,
+                method, lm_head = QUANTIZE_METHODS[system]
+                quantized = quantize_checkpoint(str(src), Path(tmp) / system, method,
                                                 args.group_size if method != "fp8-gptq" else None,
-                                                args.calibration_tokens, device=str(device))
+                                                args.calibration_tokens, device=str(device), lm_head=lm_head)
                 log(f"  {system}: quantized in {time.perf_counter() - start:.1f} s")
                 model = load_model(quantized, quantized_dtype, device)
             ppl = perplexity(model, tokens, args.window, args.stride)

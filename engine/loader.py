@@ -34,7 +34,10 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     layout of cfg.quantization: float, AWQ or FP8)."""
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
+    if cfg.quantization is not None and cfg.quantization.lm_head:
+        shapes |= {f"lm_head.{leaf}": shape for leaf, shape in
+                   Int4Linear.checkpoint_shapes(h, cfg.vocab_size, False, cfg.quantization).items()}
+    elif not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     linear = linear_class(cfg.quantization)
     for i in range(cfg.num_layers):
@@ -86,6 +89,9 @@ def _load_tensor(model: DecoderModel, name: str, tensor: torch.Tensor) -> None:
         return
     if name == "lm_head.weight":
         _load_vocab_rows(model.lm_head.weight, tensor, model.shard.vocab_rows[0])
+        return
+    if name.startswith("lm_head."):  # an int4 lm_head (one GPU: its rows are the whole vocabulary)
+        model.lm_head.load(name.split(".", 1)[1], tensor, 0, model.cfg.vocab_size)
         return
     parts = name.split(".")
     layer = model.layers[int(parts[2])]

@@ -28,6 +28,10 @@ scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to
        (H = 2 X^T X, dampened by 10% of its mean diagonal). Layer by layer, each fed the already
        quantized layers' output.
 
+With --lm-head (int4 only), lm_head is quantized as well, on the final hidden states (awq: clipping
+searched, then GPTQ; rtn: to nearest), written as `lm_head.qweight/.qzeros/.scales` with `lm_head:
+true` in quantization_config (GPTQ's key; AutoAWQ keeps lm_head float). A tied embedding stays float.
+
 The output directory holds model.safetensors (int4: `<proj>.qweight/.qzeros/.scales` like AutoAWQ,
 the rest in float16; FP8: `<proj>.weight` in float8_e4m3fn with `<proj>.weight_scale` [N, 1], the rest
 in bfloat16), config.json with its quantization_config, and the tokenizer and generation files.
@@ -373,6 +377,28 @@ def int4_gptq_calibrate(model: DecoderModel, sequences: list[list[int]], group_s
     return grids
 
 
+def lm_head_weight(model: DecoderModel) -> torch.Tensor:
+    """The output projection's float weight [V, H]: the embedding's where the two are tied."""
+    return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+
+
+@torch.no_grad()
+def int4_lm_head_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int) -> tuple[torch.Tensor, Grid]:
+    """lm_head's weight rounded onto int4 grids as the decoder layers' are (clipping searched, then
+    GPTQ), fed the final hidden states of the already quantized decoder on the calibration text:
+    (the rounded weight [V, H], its grids). The model is left as it is (a tied embedding stays float)."""
+    batch = pack_sequences(model, sequences)
+    torch.set_flush_denormal(True)  # as in _layer_by_layer
+    try:
+        x = model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta).float()
+        weight = lm_head_weight(model).float().clone()
+        _clip(weight, *_search_clip(x, weight, group_size), group_size)
+        rounded, scale, zero = int4_gptq(weight, x, group_size)
+    finally:
+        torch.set_flush_denormal(False)
+    return rounded, (scale, zero)
+
+
 def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
     """Replace each decoder linear weight by its GPTQ-rounded FP8 values (dequantized, in place),
     layer by layer, each layer's Hessians taken from the quantized layers before it."""
@@ -408,15 +434,20 @@ def _export(model: DecoderModel, dtype: torch.dtype,
     return out
 
 
-def export_awq(model: DecoderModel, group_size: int, grids: dict[torch.nn.Module, Grid] | None = None
-               ) -> dict[str, torch.Tensor]:
+def export_awq(model: DecoderModel, group_size: int, grids: dict[torch.nn.Module, Grid] | None = None,
+               lm_head: tuple[torch.Tensor, Grid | None] | None = None) -> dict[str, torch.Tensor]:
     """Decoder linear layers packed in AutoAWQ's GEMM layout (on `grids` where a module has them),
-    everything else in float16."""
+    everything else in float16; with `lm_head` (a weight [V, H] and its grids, or None for its own
+    min/max grids), lm_head packed the same way too (the embedding stays float16 even if tied)."""
     def int4(module: torch.nn.Module, rows: slice) -> dict[str, torch.Tensor]:
         grid = (grids or {}).get(module)
         return quantize_weight(module.weight[rows], group_size, None if grid is None else (grid[0][rows], grid[1][rows]))
 
-    return _export(model, torch.float16, int4)
+    tensors = _export(model, torch.float16, int4)
+    if lm_head is not None:
+        tensors.pop("lm_head.weight", None)
+        tensors |= {f"lm_head.{leaf}": t for leaf, t in quantize_weight(lm_head[0], group_size, lm_head[1]).items()}
+    return tensors
 
 
 def export_fp8(model: DecoderModel) -> dict[str, torch.Tensor]:
@@ -442,15 +473,19 @@ def fp8_quantization_config() -> dict:
                                       "dynamic": True}}}}
 
 
-def awq_quantization_config(group_size: int) -> dict:
-    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-            "modules_to_not_convert": None}
+def awq_quantization_config(group_size: int, lm_head: bool = False) -> dict:
+    """AutoAWQ's config; `lm_head: true` (GPTQ's key for it) only where lm_head is int4 too."""
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}
+    return config | ({"lm_head": True} if lm_head else {})
 
 
 def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_size: int | None = None,
-                        calibration_tokens: int = 2048, device: str = "auto", clip: bool = True) -> Path:
+                        calibration_tokens: int = 2048, device: str = "auto", clip: bool = True,
+                        lm_head: bool = False) -> Path:
     """Quantize a float checkpoint directory ("default": the embedded model) into `out`, which must
-    not exist or be empty. Returns `out`. group_size is int4's (fp8-gptq has none)."""
+    not exist or be empty. Returns `out`. group_size is int4's (fp8-gptq has none); lm_head: int4
+    only, lm_head quantized too."""
     if method not in METHODS:
         raise ModelLoadError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
     src = resolve_model(model)
@@ -460,10 +495,11 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
     if method not in INT4_METHODS:
         if group_size is not None:
             raise ModelLoadError(f"{method} has one scale per output feature: leave --group-size out.")
-    elif group_size is None:
-        group_size = default_group_size(cfg)
+        if lm_head:
+            raise ModelLoadError(f"{method} leaves lm_head in bfloat16: --lm-head is for int4 (awq, rtn).")
     else:
-        cfg.check_awq_group_size(group_size)
+        group_size = default_group_size(cfg) if group_size is None else group_size
+        cfg.check_awq_group_size(group_size, lm_head)
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelLoadError(f"{out} exists and is not an empty directory.")
@@ -482,10 +518,13 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
             grids = int4_gptq_calibrate(decoder, sequences, group_size)
         else:
             fp8_gptq_calibrate(decoder, sequences)
+    head = None
+    if lm_head:
+        head = int4_lm_head_calibrate(decoder, sequences, group_size) if method == "awq" else (lm_head_weight(decoder), None)
     hf_config = json.loads((src / "config.json").read_text())
     if method in INT4_METHODS:
-        tensors = export_awq(decoder, group_size, grids)
-        hf_config["quantization_config"] = awq_quantization_config(group_size)
+        tensors = export_awq(decoder, group_size, grids, head)
+        hf_config["quantization_config"] = awq_quantization_config(group_size, lm_head)
         hf_config["torch_dtype" if "torch_dtype" in hf_config else "dtype"] = "float16"
     else:
         tensors = export_fp8(decoder)

@@ -22,10 +22,13 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass(frozen=True)
 class QuantConfig:
     """How the decoder's linear weights are stored: "awq" (4-bit, AutoAWQ's GEMM layout, groups of
-    `group_size` input features) or "fp8" (float8_e4m3fn with a float32 scale per output feature)."""
+    `group_size` input features) or "fp8" (float8_e4m3fn with a float32 scale per output feature).
+    With `lm_head`, the output projection is stored as AWQ int4 as well (the input embedding stays
+    float): at batch 1 it is the largest weight a 1B model's int4 step reads."""
 
     method: str
     group_size: int = 0  # awq only
+    lm_head: bool = False  # awq only: lm_head is int4 too (GPTQ's `lm_head` key; AutoAWQ leaves it float)
 
 
 def _not_decoder(modules: Any, what: str) -> None:
@@ -51,7 +54,10 @@ def parse_quantization(qc: dict[str, Any] | None) -> QuantConfig | None:
         if not isinstance(group, int) or group <= 0:
             raise ModelLoadError(f"quantization_config: AWQ group_size must be a positive integer, got {group!r}.")
         _not_decoder(qc.get("modules_to_not_convert"), "modules_to_not_convert")
-        return QuantConfig("awq", group)
+        lm_head = qc.get("lm_head", False)
+        if not isinstance(lm_head, bool):
+            raise ModelLoadError(f"quantization_config: lm_head must be true or false, got {lm_head!r}.")
+        return QuantConfig("awq", group, lm_head)
     if method == "fp8":  # AutoFP8 / vLLM style: per-tensor (or per-channel) weight_scale
         if qc.get("weight_block_size"):
             raise ModelLoadError(f"quantization_config: block-wise FP8 (weight_block_size={qc['weight_block_size']}) "
@@ -146,7 +152,7 @@ class ModelConfig:
             quantization=parse_quantization(hf.get("quantization_config")),
         )
         if cfg.quantization is not None and cfg.quantization.method == "awq":
-            cfg.check_awq_group_size(cfg.quantization.group_size)
+            cfg.check_awq_group_size(cfg.quantization.group_size, cfg.quantization.lm_head)
         return cfg
 
     @classmethod
@@ -172,9 +178,11 @@ class ModelConfig:
                 "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
                 "mlp.down_proj": (inter, h)}
 
-    def check_awq_group_size(self, group_size: int) -> None:
-        """AWQ's layout needs whole groups of input features and whole packs of 8 output features."""
-        for name, (k, n) in self.linear_features().items():
+    def check_awq_group_size(self, group_size: int, lm_head: bool = False) -> None:
+        """AWQ's layout needs whole groups of input features and whole packs of 8 output features
+        (lm_head's too when it is quantized)."""
+        features = self.linear_features() | ({"lm_head": (self.hidden_size, self.vocab_size)} if lm_head else {})
+        for name, (k, n) in features.items():
             if k % group_size or n % 8:
                 raise ModelLoadError(
                     f"AWQ group size {group_size} does not fit {name} ({k} input features, {n} output features): "

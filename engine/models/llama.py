@@ -2,7 +2,8 @@
 
 QKV and gate/up are single merged projections (the loader fills their slices), and every op that
 gets a Triton kernel goes through kernels/. With a quantization format the seven linear layers of
-each decoder layer hold int4 (AWQ) or FP8 weights; embeddings, norms and lm_head keep the model's dtype.
+each decoder layer hold int4 (AWQ) or FP8 weights; embeddings, norms and lm_head keep the model's dtype
+(lm_head is int4 too where an AWQ checkpoint's quantization_config says `lm_head: true`).
 
 Under tensor parallelism (engine.distributed) each rank builds the same decoder over its shard
 (engine.models.sharding): QKV and gate/up are column-parallel, o_proj and down_proj row-parallel
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import make_linear
 from engine.models.sharding import ModelShard
@@ -92,7 +94,14 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
+        self.lm_head: nn.Module | None = None  # None: tied to the embedding
+        if self.quant is not None and self.quant.lm_head:
+            if tp.size > 1:
+                raise ModelLoadError("An int4 lm_head (quantization_config lm_head: true) is served on one GPU only; "
+                                     "use --tensor-parallel-size 1 or a checkpoint with a float lm_head.")
+            self.lm_head = make_linear(cfg.hidden_size, rows, False, dtype, self.quant)
+        elif not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
@@ -129,6 +138,9 @@ class DecoderModel(nn.Module):
         return self.tp.all_reduce(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.all_gather(torch.nn.functional.linear(hidden, weight))
+        if self.lm_head is None:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        logits = self.tp.all_gather(logits)
         return logits[:, : self.cfg.vocab_size].float()

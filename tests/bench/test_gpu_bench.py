@@ -26,13 +26,13 @@ def test_gpu_bench_smoke_writes_the_agreed_json(tmp_path: Path) -> None:
     assert doc["floor_bytes_per_s"] > 0
     rows = doc["rows"]
     assert all(set(r) == ROW_KEYS for r in rows)
-    assert {r["system"] for r in rows} == {"minillm", "minillm-fp8", "minillm-int4"}
+    assert {r["system"] for r in rows} == {"minillm", "minillm-fp8", "minillm-int4", "minillm-int4-lm-head"}
     assert all(r["model"] == "random:tiny-llama3" for r in rows)
     by_metric = {m: [r for r in rows if r["metric"] == m] for m in ("decode_tok_s", "ttft_ms", "kv_bytes")}
     assert len(rows) == sum(len(v) for v in by_metric.values())
     decode = {s: sorted(r["batch"] for r in by_metric["decode_tok_s"] if r["system"] == s)
-              for s in ("minillm", "minillm-fp8", "minillm-int4")}
-    assert decode == {"minillm": [1, 2], "minillm-fp8": [1], "minillm-int4": [1]}
+              for s in ("minillm", "minillm-fp8", "minillm-int4", "minillm-int4-lm-head")}
+    assert decode == {"minillm": [1, 2], "minillm-fp8": [1], "minillm-int4": [1], "minillm-int4-lm-head": [1]}
     assert sorted(r["prompt_tokens"] for r in by_metric["ttft_ms"]) == [16, 64, 256]
     assert [r["prompt_tokens"] for r in by_metric["kv_bytes"]] == [256]
     for r in rows:

@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
+from engine.distributed import TensorParallel
 from engine.errors import ModelLoadError
 from engine.llm_engine import LLMEngine
 from engine.loader import layer_projections, load_model
 from engine.models.config import ModelConfig, QuantConfig, parse_quantization
 from engine.models.linear import Fp8Linear, Int4Linear
+from engine.models.llama import DecoderModel
 from engine.offline import prompt_logits
 from engine.quantize import awq_calibrate, gptq_round, int4_gptq, quantize_checkpoint, quantize_weight
 from engine.sampling_params import SamplingParams
@@ -79,6 +81,50 @@ def test_quantized_directory_loads_back_and_generates(tiny_with_tokenizer, tmp_p
     # Random tiny weights amplify any error (a real model's is far smaller): a sanity bound only.
     reference = prompt_logits(load_model(tiny_with_tokenizer, torch.float32, CPU), PROMPT)
     assert _rel(prompt_logits(quantized, PROMPT), reference) < 0.6
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_int4_lm_head_checkpoint(tiny_with_tokenizer, tmp_path, method) -> None:
+    """--lm-head: lm_head int4 as well (tied here: the embedding stays float16), loaded as an
+    Int4Linear whose dequantized weight gives the logits, within the layers' error of the float model."""
+    plain = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "p", method, group_size=32, calibration_tokens=256)
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", method, group_size=32, calibration_tokens=256,
+                              lm_head=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True and "lm_head" not in json.loads((plain / "config.json").read_text())["quantization_config"]
+    tensors, plain_tensors = load_file(out / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert tensors["lm_head.qweight"].shape == (64, 49152 // 8) and tensors["lm_head.scales"].shape == (2, 49152)
+    assert torch.equal(tensors["model.embed_tokens.weight"], plain_tensors["model.embed_tokens.weight"])
+    assert set(tensors) - set(plain_tensors) == {"lm_head.qweight", "lm_head.qzeros", "lm_head.scales"}
+    model, original = load_model(out, torch.float32, CPU), load_model(tiny_with_tokenizer, torch.float32, CPU)
+    assert isinstance(model.lm_head, Int4Linear)
+    head = model.lm_head.dequantize().float()
+    step = model.lm_head.weight_scales.float().repeat_interleave(32, dim=1)
+    err = (head - original.embed_tokens.weight).abs()
+    if method == "rtn":  # to nearest; awq clips and GPTQ moves weights by more, for a lower output error
+        assert (err <= 0.5 * step + 2e-3 * original.embed_tokens.weight.abs() + 1e-6).all()  # fp16 scales
+    assert err.mean() < 0.5 * step.mean()
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ head.t(), rtol=1e-4, atol=1e-4)
+    assert len(_greedy(out)) == 8
+    reference = prompt_logits(original, PROMPT)
+    assert _rel(prompt_logits(model, PROMPT), reference) < 0.6
+
+
+def test_int4_lm_head_of_an_untied_model(tiny_model_dir, tmp_path) -> None:
+    path, _ = tiny_model_dir("tiny-llama3", tie_word_embeddings=False)
+    out = quantize_checkpoint(str(path), tmp_path / "q", "rtn", group_size=32, lm_head=True)
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    model, original = load_model(out, torch.float32, CPU), load_model(path, torch.float32, CPU)
+    step = model.lm_head.weight_scales.float().repeat_interleave(32, dim=1)
+    w = original.lm_head.weight
+    assert ((model.lm_head.dequantize().float() - w).abs() <= 0.5 * step + 2e-3 * w.abs() + 1e-6).all()
+
+
+def test_int4_lm_head_is_one_gpu_only(tiny_model_dir) -> None:
+    cfg = ModelConfig.from_dir(tiny_model_dir("tiny-llama3")[0])
+    with torch.device("meta"), pytest.raises(ModelLoadError, match="one GPU only"):
+        DecoderModel(cfg, torch.float32, QuantConfig("awq", 32, lm_head=True), TensorParallel(rank=0, size=2))
 
 
 def test_rtn_weights_are_within_half_a_step(tiny_with_tokenizer, tmp_path) -> None:
@@ -225,9 +271,12 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "
       "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}},
      "minillm serves only FP8"),
     ({"quant_method": "compressed-tensors"}, "without config_groups"),
+    ({**AWQ, "lm_head": "yes"}, "lm_head must be true or false"),
+    ({**AWQ, "group_size": 64, "lm_head": True, "vocab_size": 500}, "does not fit lm_head"),
 ])
 def test_bad_quantization_configs_are_named(tiny_model_dir, qc, message) -> None:
     config = json.loads((tiny_model_dir("tiny-llama3")[0] / "config.json").read_text())
+    config["vocab_size"] = qc.pop("vocab_size", config["vocab_size"])
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_hf({**config, "quantization_config": qc})
 
@@ -258,6 +307,8 @@ def test_quantize_refuses_what_it_cannot_do(tiny_model_dir, tiny_with_tokenizer,
         quantize_checkpoint(str(awq_dir), tmp_path / "c", "rtn")
     with pytest.raises(ModelLoadError, match="leave --group-size out"):
         quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "d", "fp8-gptq", group_size=32)
+    with pytest.raises(ModelLoadError, match="--lm-head is for int4"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "e", "fp8-gptq", lm_head=True)
     assert parse_quantization(None) is None
 
 
