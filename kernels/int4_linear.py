@@ -44,6 +44,7 @@ import triton.language as tl
 
 from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.rmsnorm import NormScale, add_norm_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a pack sits in nibble AWQ_REVERSE_ORDER[j]
@@ -211,6 +212,32 @@ def store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HA
 
 
 @triton.jit
+def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
+    """A NormScale's factor (kernels/rmsnorm.py): rsqrt(sum of its `parts` sums of squares / hidden
+    + eps). Read from L2 (.cg): other SMs wrote them, in the kernel before."""
+    offs = tl.arange(0, PARTS)
+    total = tl.zeros([PARTS], dtype=tl.float32)
+    for i in range(0, parts, PARTS):
+        total += tl.load(sumsq_ptr + i + offs, mask=i + offs < parts, other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(total, axis=0) / hidden + eps)
+
+
+@triton.jit
+def store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr):
+    """The add-norm epilogue (add_norm_ref) over a one-row kernel's final float32 outputs y for
+    `rows` (ok: those this program stores): h = y + residual into residual_out, h * norm weight
+    into out, and the sum of h^2 over these rows into sumsq[program_id(0)], one slot per row tile
+    (the next projection sums them: NormScale). Residual and weight are read here, after the wait."""
+    residual = tl.load(residual_ptr + rows, mask=ok, other=0.0)
+    norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
+    h = y.to(out_ptr.dtype.element_ty) + residual
+    tl.store(residual_out_ptr + rows, h, mask=ok)
+    tl.store(out_ptr + rows, h * norm_w, mask=ok)
+    hf = tl.where(ok, h.to(tl.float32), 0.0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(hf * hf, axis=0), mask=tl.max(ok.to(tl.int32), axis=0) > 0)
+
+
+@triton.jit
 def _nibbles(packed, shifts):
     """The 4-bit values at `shifts` of `packed` as float32 2**23 + q: OR-ing q into the mantissa of
     2**23 (0x4B000000) is cheaper than an int-to-float cvt (quarter rate); 2**23 cancels in q - z."""
@@ -238,9 +265,9 @@ ONE_BITS = 0x3F800000
 @triton.jit
 def _int4_stream_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
-    words_per_split, one_bits,
+    words_per_split, one_bits, in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, BLOCK_W words of each per step (whole groups; split
     along K when the rows alone leave SMs idle). No int-to-float conversion: one shift brings two
@@ -250,7 +277,8 @@ def _int4_stream_gemv_kernel(
     instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
     16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
     2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). SILU_MUL: the weight is a merged
-    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row)."""
+    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row). NORM_IN: x is a
+    NormScale's row, whose factor scales the outputs; ADD_NORM: the add-norm epilogue (store_add_norm)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
     rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
@@ -290,20 +318,29 @@ def _int4_stream_gemv_kernel(
         qx = tl.sum(sums, axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
         p, z, s = p_next, z_next, s_next
-    store_one_row(tl.sum(acc, axis=1) * 16.0, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS,
-                  SPLIT_K, SILU_MUL, ROWS)
+    y = tl.sum(acc, axis=1) * 16.0
+    if NORM_IN:
+        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    if ADD_NORM:  # no bias (o_proj and down_proj have none), no SiLU
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+    else:
+        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
 
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
-    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
     contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
     contiguously, as in the GEMM below; products are summed per group, then scaled. The next
     step's weights are loaded before this step's math, and the first step's before the wait for
-    the previous kernel (weights are never written, so they may be read before it ends)."""
+    the previous kernel (weights are never written, so they may be read before it ends). NORM_IN
+    and ADD_NORM as in the stream kernel."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     gs = tl.arange(0, GROUPS)
@@ -328,7 +365,12 @@ def _int4_gemv_kernel(
         acc += tl.sum(xt.to(tl.float32)[None, :, :] * w, axis=2) * s.to(tl.float32)
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1)
-    store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
+    if NORM_IN:
+        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    if ADD_NORM:
+        store_add_norm(y, rows, row_ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+    else:
+        store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
 
 @triton.jit
@@ -485,9 +527,7 @@ def stream_gemv_config(group_size: int) -> dict[str, int]:
     return dict(ROWS=16, BLOCK_W=max(64, group_size // 8), num_warps=1, num_stages=1)
 
 
-def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
+def _check(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
     out_features, words = weight.shape
     in_features = words * 8
     if group_size < 16 or group_size & (group_size - 1) or in_features % group_size:
@@ -495,41 +535,79 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     if zeros.shape != (out_features, in_features // group_size) or scales.shape != zeros.shape:
         raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must both be "
                          f"[N, K / G] = [{out_features}, {in_features // group_size}]")
+
+
+def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                       group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                       norm_in: NormScale | None = None) -> torch.Tensor:
+    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); a
+    norm_in (one row of x only) scales the one-row kernels' outputs."""
+    _check(weight, zeros, scales, group_size)
     weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
-    x2 = x.reshape(-1, in_features)
+    x2 = x.reshape(-1, weight.shape[1] * 8)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 1 and out_features * in_features >= STREAM_WEIGHTS:
-        out = _stream_gemv(x2, weight, zeros, scales, group_size, bias, silu_mul)
+    if x2.shape[0] == 1:
+        out, _, _ = _one_row(x2, weight, zeros, scales, group_size, bias, silu_mul, norm_in, None)
     else:
+        if norm_in is not None:
+            raise ValueError("a NormScale scales one row; x has several")
         out = _int4_matmul(x2, weight, zeros, scales, group_size, bias)
         if silu_mul:
             out = activation.silu_mul(out)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _stream_gemv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-    """One row x [1, K] through _int4_stream_gemv_kernel: [1, N], or [1, N / 2] with silu_mul."""
+def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+             bias: torch.Tensor | None, silu_mul: bool, norm_in: NormScale | None,
+             add_norm: tuple[torch.Tensor, torch.Tensor] | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [1, K] through a one-row kernel, by weight size (STREAM_WEIGHTS): out [1, N] ([1, N / 2]
+    with silu_mul); with add_norm (residual [1, N], norm weight [N]), out is h * norm weight, and
+    the new residual h and the sums of squares per row tile come too (else None, None)."""
     out_features, words = weight.shape
-    cfg = stream_gemv_config(group_size)
-    outputs = out_features // 2 if silu_mul else out_features
+    in_features = words * 8
+    stream = out_features * in_features >= STREAM_WEIGHTS
+    if stream:
+        cfg = stream_gemv_config(group_size)
+        outputs = out_features // 2 if silu_mul else out_features
+        tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    else:  # SiLU·up by its own kernel after
+        cfg = latency_gemv_config(in_features, group_size)
+        outputs = out_features
+        tiles = triton.cdiv(out_features, cfg["ROWS"])
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
-    split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
-    part, counts = split_workspace(out, split_k, tiles, out_features)
+    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.numel(), norm_in.eps) if norm_in else (out, 0, 0.0)
+    residual, norm_w, residual_out, sumsq = out, out, None, None
+    if add_norm is not None:
+        residual, norm_w = add_norm[0].contiguous(), add_norm[1].contiguous()
+        residual_out = torch.empty_like(out)
+        sumsq = torch.empty(tiles, dtype=torch.float32, device=x.device)
+    norm_args = (in_sumsq, in_parts, eps, residual, norm_w, out if residual_out is None else residual_out,
+                 out if sumsq is None else sumsq)
+    flags = dict(NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, HAS_BIAS=bias is not None,
+                 GROUP=group_size)
     pdl = programmatic_launch(x)
-    _int4_stream_gemv_kernel[(tiles, split_k)](
-        x, weight, zeros, scales, bias, out, part, counts, out_features, words * 8, weight.stride(0),
-        zeros.stride(0), per_split, ONE_BITS, HAS_BIAS=bias is not None, GROUP=group_size, SPLIT_K=split_k,
-        SILU_MUL=silu_mul, PDL=pdl, **cfg, **launch_options(pdl))
-    return out
+    if stream:
+        split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
+        part, counts = split_workspace(out, split_k, tiles, out_features)
+        _int4_stream_gemv_kernel[(tiles, split_k)](
+            x, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
+            zeros.stride(0), per_split, ONE_BITS, *norm_args, SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=pdl,
+            **flags, **cfg, **launch_options(pdl))
+    else:
+        _int4_gemv_kernel[(tiles,)](
+            x, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
+            *norm_args, PDL=pdl, **flags, **cfg, **launch_options(pdl))
+        if silu_mul:
+            out = activation.silu_mul(out)
+    return out, residual_out, sumsq
 
 
 def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T + bias → [M, N] by M: the latency GEMV (one row, small weights), the tile
-    GEMM (up to GEMM_ROWS) or the weight dequantized once and cuBLAS (prefill)."""
+    """x [M, K] @ W.T + bias → [M, N] for M > 1: the tile GEMM (up to GEMM_ROWS) or the weight
+    dequantized once and cuBLAS (prefill)."""
     out_features, words = weight.shape
     in_features = words * 8
     rows = x.shape[0]
@@ -540,12 +618,6 @@ def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, sca
         return torch.nn.functional.linear(x, w, bias)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     pdl = programmatic_launch(x)
-    if rows == 1:
-        cfg = latency_gemv_config(in_features, group_size)
-        _int4_gemv_kernel[(triton.cdiv(out_features, cfg["ROWS"]),)](
-            x, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-            HAS_BIAS=bias is not None, GROUP=group_size, PDL=pdl, **cfg, **launch_options(pdl))
-        return out
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
     num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
@@ -560,11 +632,29 @@ def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, sca
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                norm_in: NormScale | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for W in the runtime layout (see repack_awq); with silu_mul, W is a merged
     gate/up weight and the result SiLU(gate) * up over y's two halves [..., N / 2] (in the one-row
-    stream kernel's epilogue: a kernel less per decode layer). Triton where `use_triton` says so,
-    else the reference."""
-    if use_triton(x):
-        return int4_linear_triton(x, weight, zeros, scales, group_size, bias, silu_mul)
+    stream kernel's epilogue: a kernel less per decode layer). norm_in: x is one row still to be
+    normalized (an add-norm epilogue's output), whose factor the one-row kernels apply to their
+    outputs. Triton where `use_triton` says so, else the reference."""
+    if use_triton(x) and (norm_in is None or x.numel() == x.shape[-1]):
+        return int4_linear_triton(x, weight, zeros, scales, group_size, bias, silu_mul, norm_in)
+    x = x if norm_in is None else norm_in.apply(x)
     return int4_linear_ref(x, weight, zeros, scales, group_size, bias, silu_mul)
+
+
+def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                         group_size: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    """y = x @ W.T for one row x [1, K], then the residual add and RMSNorm that follow it, as
+    kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual y + residual,
+    and the NormScale the next projection applies (int4_linear's norm_in). On the one-row kernels
+    it is their epilogue: no norm kernel between two projections."""
+    if use_triton(x) and x.numel() == x.shape[-1]:
+        _check(weight, zeros, scales, group_size)
+        out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), weight.contiguous(), zeros.contiguous(),
+                                 scales.contiguous(), group_size, None, False, None, (residual.reshape(1, -1), norm_weight))
+        return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
+    return add_norm_ref(int4_linear(x, weight, zeros, scales, group_size), residual, norm_weight, eps)

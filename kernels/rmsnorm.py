@@ -1,5 +1,8 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it; and the pieces of the norm
+that batch-1 decode folds into the projections around it (NormScale, add_norm_ref)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,6 +25,33 @@ def rms_norm_ref(
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), residual
+
+
+@dataclass(frozen=True)
+class NormScale:
+    """A normalized row still to be scaled, as an add-norm epilogue leaves it (add_norm_ref): the
+    norm's output is x * factor(len(x)). The next projection applies the factor to its outputs, so
+    no kernel of its own normalizes the row."""
+
+    sumsq: torch.Tensor  # float32 [parts]: partial sums of squares of the row before the norm
+    eps: float
+
+    def factor(self, hidden: int) -> torch.Tensor:
+        """rsqrt(mean of squares + eps), a float32 scalar tensor (on the device: no sync)."""
+        return torch.rsqrt(self.sumsq.sum() / hidden + self.eps)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x scaled in float32, in x's dtype (what the kernels that take a NormScale do to their outputs)."""
+        return (x.float() * self.factor(x.shape[-1])).to(x.dtype)
+
+
+def add_norm_ref(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    """The add-norm epilogue's reference for one row y [1, H]: (h * weight, h, NormScale of h) with
+    h = y + residual, the new residual. (h * weight) scaled by the NormScale is rms_norm(y, weight,
+    eps, residual)[0] but for rounding: weight * round(h * r) there, round(h * weight) * r here."""
+    h = y + residual
+    return h * weight, h, NormScale(h.float().pow(2).sum(-1), eps)
 
 
 @triton.jit

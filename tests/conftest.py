@@ -22,6 +22,22 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from engine.model_store import DEFAULT_DIR_NAME, ensure_default_model
 
 
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For one test, send CPU tensors to the Triton kernels, run by Triton's interpreter.
+
+    tests/conftest.py imports triton in interpreter mode when there is no GPU; this only sets
+    TRITON_INTERPRET=1 (which use_triton() reads) until the test ends.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import rmsnorm
+
+    if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
+        pytest.skip("Triton is compiling for the GPU here; tests/gpu/test_kernels_cuda.py runs these kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted default model: reused from $MINILLM_MODELS_DIR if set, else converted once

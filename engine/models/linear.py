@@ -15,7 +15,8 @@ from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels import activation
 from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
-from kernels.int4_linear import dequantize_int4, int4_linear, repack_awq
+from kernels.int4_linear import dequantize_int4, int4_linear, int4_linear_add_norm, repack_awq
+from kernels.rmsnorm import NormScale, add_norm_ref
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -24,7 +25,19 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
+class Projection(nn.Module):
+    """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
+    norm_in=None), where norm_in (a NormScale) means x is one row still to be normalized by its
+    factor, and add_norm. Formats without a kernel for either do them apart, in torch."""
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+        """self(x) for one row, then the residual add and RMSNorm after it, left for the next
+        projection to finish (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
+        return add_norm_ref(self(x), residual, norm_weight, eps)
+
+
+class Linear(Projection):
     """y = x W^T + b with W [out_features, in_features] in the model's dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -33,9 +46,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         """x W^T + b; with silu_mul (a merged gate/up layer), SiLU(gate) * up over its two halves."""
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x if norm_in is None else norm_in.apply(x), self.weight, self.bias)
         return activation.silu_mul(y) if silu_mul else y
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
@@ -53,7 +66,7 @@ class Linear(nn.Module):
         return {"weight": (out_features, in_features)} | ({"bias": (out_features,)} if bias else {})
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Projection):
     """4-bit weights (see kernels/int4_linear.py), loaded in AutoAWQ's GEMM layout (qweight [K, N/8],
     qzeros [K/G, N/8], fp16 scales [K/G, N]) and served, after repack(), in the kernels' runtime
     layout: weight int32 [N, K/8], fp16 weight_zeros and weight_scales [N, K/G]. The bias stays in
@@ -83,9 +96,16 @@ class Int4Linear(nn.Module):
         """W [N, K] in float16 (for tests and tools), from the runtime layout."""
         return dequantize_int4(self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias,
-                           silu_mul)
+                           silu_mul, norm_in)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+        if self.bias is not None:  # the epilogue adds no bias (o_proj and down_proj have none)
+            return super().add_norm(x, residual, norm_weight, eps)
+        return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
+                                    residual, norm_weight, eps)
 
     def _runtime_weight(self) -> nn.Parameter:
         if self.weight is None:
@@ -122,7 +142,7 @@ class Int4Linear(nn.Module):
         return shapes | ({"bias": (out_features,)} if bias else {})
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(Projection):
     """float8_e4m3fn weights [N, K] with a float32 scale per output feature. A float checkpoint's
     weights are quantized per output feature as they load (--quantization fp8); an FP8 checkpoint's
     per-tensor scale becomes the scale of each of its rows."""
@@ -134,8 +154,8 @@ class Fp8Linear(nn.Module):
         self.weight_scale = _frozen((out_features,), torch.float32)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
+        return fp8_linear(x if norm_in is None else norm_in.apply(x), self.weight, self.weight_scale, self.bias, silu_mul)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads
@@ -165,7 +185,7 @@ def linear_class(quant: QuantConfig | None) -> type[Linear] | type[Int4Linear] |
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                quant: QuantConfig | None) -> nn.Module:
+                quant: QuantConfig | None) -> Projection:
     """The linear layer for a format: float when `quant` is None."""
     if quant is None:
         return Linear(in_features, out_features, bias, dtype)

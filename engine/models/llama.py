@@ -20,7 +20,8 @@ from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
-from kernels.rmsnorm import rms_norm
+from kernels.dispatch import use_triton
+from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
 
 
@@ -58,18 +59,36 @@ class DecoderLayer(nn.Module):
         hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
         return self.mlp(hidden), residual
 
+    def forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, norm_in: NormScale | None,
+                       residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
+                       next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        """One token on one GPU with the norms folded into the projections around them (int4: the
+        one-row kernels' epilogues and output scaling, no norm kernels): hidden is this layer's
+        normalized input up to norm_in's factor (None: exactly), and so is what it returns for the
+        next layer, normalized by next_norm (None: the last layer's un-normalized output)."""
+        attn = self.attend(positions, hidden, kv_cache, meta, cos_sin, norm_in)
+        hidden, residual, norm_in = self.o_proj.add_norm(attn, residual, self.post_attention_layernorm, self.eps)
+        hidden = self.gate_up_proj(hidden, silu_mul=True, norm_in=norm_in)
+        if next_norm is None:
+            return self.down_proj(hidden), residual, None
+        return self.down_proj.add_norm(hidden, residual, next_norm, self.eps)
+
     def self_attention(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                        meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states in, o_proj's output out (the new keys and values go to kv_cache)."""
+        return self.tp.all_reduce(self.o_proj(self.attend(positions, hidden, kv_cache, meta, cos_sin)))
+
+    def attend(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               cos_sin: torch.Tensor, norm_in: NormScale | None = None) -> torch.Tensor:
+        """QKV, RoPE and attention: o_proj's input [tokens, q heads * head_dim]."""
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
+        q, k, v = self.qkv_proj(hidden, norm_in=norm_in).split(self.qkv_split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(attn.reshape(tokens, -1)))
+        return paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, -1)
 
     def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         # SiLU·up goes with the gate/up projection, whose one-row quantized kernels apply it as they store.
@@ -94,6 +113,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
+        # Batch-1 decode folds the norms between layers into int4 projections' one-row kernels.
+        self.fold_norms = self.quant is not None and self.quant.method == "awq" and tp.size == 1
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if self.quant is not None and self.quant.lm_head:
             if tp.size > 1:
@@ -120,10 +141,26 @@ class DecoderModel(nn.Module):
         """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         assert self.cos_sin is not None, "call init_rope() first"
         hidden = self.embed(input_ids)
+        if self.fold_norms and hidden.shape[0] == 1 and use_triton(hidden):
+            return self._forward_folded(positions, hidden, kv_cache, meta)
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, self.cos_sin)
         hidden, _ = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
+        return hidden
+
+    def _forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """forward for one token through DecoderLayer.forward_folded: of the 2L + 1 norms only the
+        first and the last run as kernels (H200, Llama-3.2-1B shape, INT4 batch-1 decode: see README)."""
+        eps = self.cfg.rms_norm_eps
+        hidden, residual = rms_norm(hidden, self.layers[0].input_layernorm, eps)
+        norm_in = None
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            hidden, residual, norm_in = layer.forward_folded(positions, hidden, norm_in, residual, kv_cache[i], meta,
+                                                             self.cos_sin, next_norm)
+        hidden, _ = rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

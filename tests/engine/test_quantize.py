@@ -23,6 +23,7 @@ from engine.quantize import awq_calibrate, gptq_round, int4_gptq, quantize_check
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kernels.fp8_linear import FP8, FP8_MAX
+from kernels.rmsnorm import rms_norm
 from kernels.int4_linear import dequantize_awq, pack_awq, unpack_awq
 
 CPU = torch.device("cpu")
@@ -119,6 +120,30 @@ def test_int4_lm_head_of_an_untied_model(tiny_model_dir, tmp_path) -> None:
     step = model.lm_head.weight_scales.float().repeat_interleave(32, dim=1)
     w = original.lm_head.weight
     assert ((model.lm_head.dequantize().float() - w).abs() <= 0.5 * step + 2e-3 * w.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["latency-gemv", "stream-gemv"])
+def test_batch1_decode_folds_the_norms_into_the_int4_projections(tiny_with_tokenizer, tmp_path, triton_interpreter,
+                                                                 monkeypatch, stream) -> None:
+    """One token through an int4 model runs 2 norm kernels, not 2L + 1 (the rest are the one-row
+    kernels' add-norm epilogues and scaled outputs), and gives the logits of the unfolded path."""
+    import engine.models.llama as llama
+    import kernels.int4_linear as int4_linear_module
+
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", "rtn", group_size=32)
+    model = load_model(out, torch.float32, CPU)
+    if stream:  # the tiny weights would all take the latency GEMV
+        monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
+    calls = []
+    monkeypatch.setattr(llama, "rms_norm", lambda *a, **k: calls.append(1) or rms_norm(*a, **k))
+    folded = prompt_logits(model, PROMPT[:1])
+    assert model.fold_norms and len(calls) == 2
+    model.fold_norms = False
+    apart = prompt_logits(model, PROMPT[:1])
+    assert len(calls) == 2 + 2 * model.cfg.num_layers + 1
+    # The stream kernel's float32 sums keep ~2**-20 of sum |x| (tests/kernels), which these random
+    # weights' cancellations make ~1e-5 of the logits: as far as it is from the latency GEMV unfolded.
+    assert _rel(folded, apart) < (1e-4 if stream else 1e-6)
 
 
 def test_int4_lm_head_is_one_gpu_only(tiny_model_dir) -> None:

@@ -1,4 +1,4 @@
-"""Kernel-test helpers: Triton's interpreter on CPU, and outputs that start out as NaN."""
+"""Kernel-test helpers: outputs that start out as NaN (the triton_interpreter fixture is in tests/conftest.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -6,21 +6,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
-
-from kernels import rmsnorm
-
-
-@pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For one test, send CPU tensors to the Triton kernels, run by Triton's interpreter.
-
-    tests/conftest.py imports triton in interpreter mode when there is no GPU; this only sets
-    TRITON_INTERPRET=1 (which use_triton() reads) until the test ends.
-    """
-    if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
-        pytest.skip("Triton is compiling for the GPU here; tests/gpu/test_kernels_cuda.py runs these kernels")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @contextmanager

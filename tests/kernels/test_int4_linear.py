@@ -10,8 +10,10 @@ import kernels.int4_linear as int4_linear_module
 from kernels.activation import silu_mul
 from kernels.int4_linear import (
     _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
-    int4_linear, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq, unpack_int4,
+    int4_linear, int4_linear_add_norm, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq,
+    unpack_int4,
 )
+from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -223,3 +225,60 @@ def test_prefill_dequantizes_with_triton_then_multiplies(triton_interpreter, dty
     x = torch.randn(GEMM_ROWS + 3, in_features, generator=gen).to(dtype)
     torch.testing.assert_close(int4_linear(x, weight, zeros, scales, group_size),
                                int4_linear_ref(x, weight, zeros, exact, group_size), **TOLERANCE[dtype])
+
+
+# ---- the norm folded into the one-row kernels (batch-1 decode) ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stream, in_features, out_features", [(False, 256, 80), (True, 256, 200), (True, 256, 208),
+                                                                   (True, 4096, 48)],
+                         ids=["latency", "stream-partial-tile", "stream", "stream-split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, stream,
+                                                            in_features, out_features) -> None:
+    # o_proj / down_proj: y = x W^T, then h = y + residual (the new residual) and the norm of h,
+    # left as h * weight and a NormScale; the next projection applies its factor to its outputs.
+    # Against add_norm_ref (same roundings: exact but for the sum of squares' order) and against
+    # rms_norm followed by the projection (within the rounding of h * weight).
+    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight, zeros, scales = int4_weight(in_features, out_features, 64, gen)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    residual = torch.randn(1, out_features, generator=gen).to(dtype)
+    norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    with nan_poisoned_allocations():
+        u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 64, residual, norm_w, 1e-5)
+    exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
+    y = int4_linear(x, weight, zeros, scales, 64)  # the kernel's own projection: the sums below are exact
+    ref_u, ref_h, ref_scale = add_norm_ref(y, residual, norm_w, 1e-5)
+    assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
+    tiles = -(-out_features // (16 if stream else 4))
+    assert scale.sumsq.shape == (tiles,) and scale.eps == 1e-5
+    torch.testing.assert_close(scale.sumsq.sum(), ref_scale.sumsq.sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64) + residual,
+                               **STREAM_TOLERANCE[dtype])
+    normed, new_residual = rms_norm_ref(y, norm_w, 1e-5, residual)
+    assert torch.equal(new_residual, h)
+    torch.testing.assert_close(scale.apply(u), normed, **TOLERANCE[dtype])
+    if out_features % 16:
+        return
+    # The next projection [out_features -> 96] fed u and the NormScale, against it fed u scaled first.
+    w2, z2, s2 = int4_weight(out_features, 96, 16, gen)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        out = int4_linear(u, w2, z2, s2, 16, bias, norm_in=scale)
+    ref = int4_linear_ref(scale.apply(u), w2, z2, s2.to(torch.promote_types(dtype, s2.dtype)), 16, bias)
+    torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
+
+
+def test_norm_in_and_add_norm_off_the_kernels_are_the_reference() -> None:
+    gen = torch.Generator().manual_seed(11)
+    weight, zeros, scales = int4_weight(128, 64, 32, gen)
+    x, residual, norm_w = torch.randn(1, 128, generator=gen), torch.randn(1, 64, generator=gen), torch.rand(64) + 0.5
+    u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 32, residual, norm_w, 1e-6)
+    normed, new_residual = rms_norm_ref(int4_linear_ref(x, weight, zeros, scales, 32), norm_w, 1e-6, residual)
+    assert torch.equal(h, new_residual)
+    torch.testing.assert_close(scale.apply(u), normed, rtol=1e-5, atol=1e-6)
+    w2, z2, s2 = int4_weight(64, 32, 32, gen)
+    torch.testing.assert_close(int4_linear(u, w2, z2, s2, 32, norm_in=scale),
+                               int4_linear_ref(normed, w2, z2, s2, 32), rtol=1e-4, atol=1e-5)
