@@ -22,8 +22,9 @@ import triton.language as tl
 
 from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.int4_linear import (gemv_split, matmul_config, one_row_rows, split_k_for, split_workspace, store_one_row,
-                                 store_tile, tile_coords)
+from kernels.int4_linear import (gemv_split, matmul_config, norm_arguments, norm_factor, one_row_rows, split_k_for,
+                                 split_workspace, store_add_norm, store_one_row, store_tile, sum_splits, tile_coords)
+from kernels.rmsnorm import NormScale, add_norm_ref
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -116,14 +117,16 @@ def _e4m3x4_to_f32(words):
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, words_per_split, sign_exp_man,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    PDL: tl.constexpr, CVT: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr, CVT: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, read as int32 words of four e4m3 bytes (split along K
     when the rows alone leave SMs idle). Each thread keeps float32 sums per word it reads, reduced
     once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
     per step. CVT: decode with the hardware conversion (GPU); else with integer ops (the exact
-    same values, and what Triton's CPU interpreter can run). SILU_MUL: as in the INT4 one."""
+    same values, and what Triton's CPU interpreter can run). SILU_MUL, NORM_IN and ADD_NORM: as in
+    the INT4 one."""
     rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, K // 4)
@@ -155,8 +158,14 @@ def _fp8_gemv_kernel(
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     if not CVT:
         scale *= 1.329227995784916e36  # 2**120
-    store_one_row(tl.sum(acc, axis=1) * scale, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS,
-                  SPLIT_K, SILU_MUL, ROWS)
+    y = tl.sum(acc, axis=1) * scale
+    if NORM_IN:
+        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    if ADD_NORM:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+    else:
+        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,27 +180,37 @@ def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tens
     return scale if scale.numel() == out_features else scale.expand(out_features).contiguous()
 
 
+def _one_row_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-row kernel takes x2 [M, K] against weight: one row, whole int32 words."""
+    return (x2.shape[0] == 1 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
+            and weight.data_ptr() % 4 == 0)
+
+
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16)."""
+                      bias: torch.Tensor | None = None, silu_mul: bool = False,
+                      norm_in: NormScale | None = None) -> torch.Tensor:
+    """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16);
+    a norm_in (one row) scales the one-row kernel's outputs."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 1 and in_features % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0:
-        out = _fp8_gemv(x2, weight, weight_scale, bias, silu_mul)
+    if _one_row_ok(x2, weight):
+        out, _, _ = _fp8_gemv(x2, weight, weight_scale, bias, silu_mul, norm_in, None)
     else:
-        out = _fp8_matmul(x2, weight, weight_scale, bias)
+        out = _fp8_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, weight_scale, bias)
         if silu_mul:
             out = activation.silu_mul(out)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-              silu_mul: bool) -> torch.Tensor:
-    """One row x [1, K] through _fp8_gemv_kernel: [1, N], or [1, N / 2] with silu_mul. 16 weight
+              silu_mul: bool, norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One row x [1, K] through _fp8_gemv_kernel: [1, N], or [1, N / 2] with silu_mul (and, with
+    add_norm, the new residual and the sums of squares: int4_linear's _one_row). 16 weight
     rows a program of 2 warps, 64 words (256 bytes) of each per step, split along K up to ~8
     programs per SM (best of H200 sweeps at Llama-3.2-1B's projections: with the hardware decode,
     2 warps against 4 took a decode step 0.82 → 0.77 ms)."""
@@ -202,13 +221,14 @@ def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     tiles = triton.cdiv(outputs, 8 if silu_mul else 16)
     split_k, per_split = gemv_split(tiles, in_features // 4, 64, x.device)
     part, counts = split_workspace(out, split_k, tiles, out_features)
+    norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_gemv_kernel[(tiles, split_k)](
         x, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
-        in_features, words.stride(0), per_split, SIGN_EXP_MAN, HAS_BIAS=bias is not None, ROWS=16, BLOCK_W=64,
-        SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_warps=2, num_stages=1,
-        **launch_options(pdl))
-    return out
+        in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, HAS_BIAS=bias is not None, ROWS=16,
+        BLOCK_W=64, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_warps=2, num_stages=1, **launch_options(pdl))
+    return out, residual_out, sumsq
 
 
 def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -273,13 +293,28 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None = None, silu_mul: bool = False,
+               norm_in: NormScale | None = None) -> torch.Tensor:
     """y = x @ W.T + bias for an FP8 weight: _scaled_mm for prefill where it runs, the Triton kernel
     for decode (and under the interpreter), else the torch reference. With silu_mul, W is a merged
-    gate/up weight and the result SiLU(gate) * up [..., N / 2] (in the one-row kernel's epilogue)."""
+    gate/up weight and the result SiLU(gate) * up [..., N / 2] (in the one-row kernel's epilogue).
+    norm_in: as int4_linear's (the one-row kernel scales its outputs; elsewhere x is scaled first)."""
+    if use_triton(x) and not use_scaled_mm(x, weight):
+        return fp8_linear_triton(x, weight, weight_scale, bias, silu_mul, norm_in)
+    x = x if norm_in is None else norm_in.apply(x)
     if not use_triton(x):
         return fp8_linear_ref(x, weight, weight_scale, bias, silu_mul)
-    if use_scaled_mm(x, weight):
-        y = fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-        return activation.silu_mul(y) if silu_mul else y
-    return fp8_linear_triton(x, weight, weight_scale, bias, silu_mul)
+    y = fp8_linear_scaled_mm(x, weight, weight_scale, bias)
+    return activation.silu_mul(y) if silu_mul else y
+
+
+def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, residual: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    """As int4_linear_add_norm, for an FP8 weight: the one-row kernel's add-norm epilogue where it
+    runs, else fp8_linear and add_norm_ref."""
+    x2 = x.reshape(-1, weight.shape[1])
+    if use_triton(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight):
+        out, h, sumsq = _fp8_gemv(x2.contiguous(), weight, weight_scale, None, False, None,
+                                  (residual.reshape(1, -1), norm_weight))
+        return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
+    return add_norm_ref(fp8_linear(x, weight, weight_scale), residual, norm_weight, eps)

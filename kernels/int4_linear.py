@@ -558,6 +558,21 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def norm_arguments(out: torch.Tensor, tiles: int, norm_in: NormScale | None,
+                   add_norm: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[tuple, torch.Tensor | None, torch.Tensor | None]:
+    """A one-row kernel's norm arguments (in_sumsq, in_parts, eps, residual, norm_w, residual_out,
+    sumsq; `out` stands in for those not read), and the add-norm outputs it writes (the new
+    residual [1, N] and the float32 sums of squares, one per row tile), or None, None."""
+    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.numel(), norm_in.eps) if norm_in else (out, 0, 0.0)
+    if add_norm is None:
+        return (in_sumsq, in_parts, eps, out, out, out, out), None, None
+    residual_out = torch.empty_like(out)
+    sumsq = torch.empty(tiles, dtype=torch.float32, device=out.device)
+    args = (in_sumsq, in_parts, eps, add_norm[0].contiguous(), add_norm[1].contiguous(), residual_out, sumsq)
+    return args, residual_out, sumsq
+
+
 def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
              bias: torch.Tensor | None, silu_mul: bool, norm_in: NormScale | None,
              add_norm: tuple[torch.Tensor, torch.Tensor] | None
@@ -577,14 +592,7 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
         outputs = out_features
         tiles = triton.cdiv(out_features, cfg["ROWS"])
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.numel(), norm_in.eps) if norm_in else (out, 0, 0.0)
-    residual, norm_w, residual_out, sumsq = out, out, None, None
-    if add_norm is not None:
-        residual, norm_w = add_norm[0].contiguous(), add_norm[1].contiguous()
-        residual_out = torch.empty_like(out)
-        sumsq = torch.empty(tiles, dtype=torch.float32, device=x.device)
-    norm_args = (in_sumsq, in_parts, eps, residual, norm_w, out if residual_out is None else residual_out,
-                 out if sumsq is None else sumsq)
+    norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     flags = dict(NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, HAS_BIAS=bias is not None,
                  GROUP=group_size)
     pdl = programmatic_launch(x)

@@ -14,7 +14,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels import activation
-from kernels.fp8_linear import FP8, fp8_linear, quantize_fp8
+from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, quantize_fp8
 from kernels.int4_linear import dequantize_int4, int4_linear, int4_linear_add_norm, repack_awq
 from kernels.rmsnorm import NormScale, add_norm_ref
 
@@ -155,7 +155,13 @@ class Fp8Linear(Projection):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
-        return fp8_linear(x if norm_in is None else norm_in.apply(x), self.weight, self.weight_scale, self.bias, silu_mul)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul, norm_in)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+        if self.bias is not None:  # as Int4Linear's
+            return super().add_norm(x, residual, norm_weight, eps)
+        return fp8_linear_add_norm(x, self.weight, self.weight_scale, residual, norm_weight, eps)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads

@@ -62,8 +62,8 @@ class DecoderLayer(nn.Module):
     def forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, norm_in: NormScale | None,
                        residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
                        next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-        """One token on one GPU with the norms folded into the projections around them (int4: the
-        one-row kernels' epilogues and output scaling, no norm kernels): hidden is this layer's
+        """One token on one GPU with the norms folded into the projections around them (int4, FP8:
+        the one-row kernels' epilogues and output scaling, no norm kernels): hidden is this layer's
         normalized input up to norm_in's factor (None: exactly), and so is what it returns for the
         next layer, normalized by next_norm (None: the last layer's un-normalized output)."""
         attn = self.attend(positions, hidden, kv_cache, meta, cos_sin, norm_in)
@@ -113,8 +113,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        # Batch-1 decode folds the norms between layers into int4 projections' one-row kernels.
-        self.fold_norms = self.quant is not None and self.quant.method == "awq" and tp.size == 1
+        # Batch-1 decode folds the norms between layers into the int4 and FP8 one-row kernels.
+        self.fold_norms = self.quant is not None and tp.size == 1
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if self.quant is not None and self.quant.lm_head:
             if tp.size > 1:

@@ -122,16 +122,20 @@ def test_int4_lm_head_of_an_untied_model(tiny_model_dir, tmp_path) -> None:
     assert ((model.lm_head.dequantize().float() - w).abs() <= 0.5 * step + 2e-3 * w.abs() + 1e-6).all()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["latency-gemv", "stream-gemv"])
-def test_batch1_decode_folds_the_norms_into_the_int4_projections(tiny_with_tokenizer, tmp_path, triton_interpreter,
-                                                                 monkeypatch, stream) -> None:
-    """One token through an int4 model runs 2 norm kernels, not 2L + 1 (the rest are the one-row
-    kernels' add-norm epilogues and scaled outputs), and gives the logits of the unfolded path."""
+@pytest.mark.parametrize("kernel", ["int4-latency-gemv", "int4-stream-gemv", "fp8"])
+def test_batch1_decode_folds_the_norms_into_the_quantized_projections(tiny_with_tokenizer, tmp_path, triton_interpreter,
+                                                                      monkeypatch, kernel) -> None:
+    """One token through an int4 or FP8 model runs 2 norm kernels, not 2L + 1 (the rest are the
+    one-row kernels' add-norm epilogues and scaled outputs), and gives the logits of the unfolded path."""
     import engine.models.llama as llama
     import kernels.int4_linear as int4_linear_module
 
-    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", "rtn", group_size=32)
-    model = load_model(out, torch.float32, CPU)
+    stream = kernel == "int4-stream-gemv"
+    if kernel == "fp8":
+        model = load_model(tiny_with_tokenizer, torch.float32, CPU, quantization="fp8")
+    else:
+        model = load_model(quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", "rtn", group_size=32),
+                           torch.float32, CPU)
     if stream:  # the tiny weights would all take the latency GEMV
         monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
     calls = []

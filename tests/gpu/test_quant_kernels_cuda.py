@@ -11,7 +11,8 @@ import torch
 from kernels.activation import silu_mul
 from kernels.dispatch import programmatic_launch, programmatic_launches
 from kernels.fp8_linear import (
-    FP8, fp8_linear, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token, use_scaled_mm,
+    FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token,
+    use_scaled_mm,
 )
 from kernels.int4_linear import GEMM_ROWS, int4_linear, int4_linear_add_norm, int4_linear_ref, pack_awq, repack_awq
 from kernels.rmsnorm import rms_norm
@@ -205,32 +206,50 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_folded_into_the_one_row_kernels(dtype: torch.dtype) -> None:
-    """Batch-1 decode's folded norm: o_proj (latency GEMV) and down_proj (stream GEMV, split along
-    K) end in the add-norm epilogue, QKV (latency) and gate/up (stream, SiLU·up) scale their outputs
-    by its NormScale; against rms_norm between the plain projections. Then the chain replayed in
-    a CUDA graph with PDL gives the eager chain's output bit for bit."""
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> None:
+    """Batch-1 decode's folded norm: o_proj and down_proj (int4: latency and stream GEMV, split
+    along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
+    NormScale; against rms_norm between the plain projections. Then the chain replayed in a CUDA
+    graph with PDL gives the eager chain's output bit for bit."""
+    if fmt == "int4":
+        make = int4_weight
+
+        def project(x, w, silu=False, norm_in=None):
+            return int4_linear(x, *w, 128, silu_mul=silu, norm_in=norm_in)
+
+        def add_norm(x, w, residual):
+            return int4_linear_add_norm(x, *w, 128, residual, norm, 1e-5)
+    else:
+        make = fp8_weight
+
+        def project(x, w, silu=False, norm_in=None):
+            return fp8_linear(x, *w, silu_mul=silu, norm_in=norm_in)
+
+        def add_norm(x, w, residual):
+            return fp8_linear_add_norm(x, *w, residual, norm, 1e-5)
+
     hidden = SHAPES["o"][1]
     residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
     chain = []
     for producer, consumer, silu in (("o", "gate_up", True), ("down", "qkv", False)):
-        wp, wc = int4_weight(*SHAPES[producer]), int4_weight(*SHAPES[consumer])
+        wp, wc = make(*SHAPES[producer]), make(*SHAPES[consumer])
         x = torch.randn(1, SHAPES[producer][0], device="cuda", dtype=dtype)
         with nan_poisoned_allocations():
-            u, h, scale = int4_linear_add_norm(x, *wp, 128, residual, norm, 1e-5)
-            out = int4_linear(u, *wc, 128, silu_mul=silu, norm_in=scale)
-        normed, new_residual = rms_norm(int4_linear(x, *wp, 128), norm, 1e-5, residual)
+            u, h, scale = add_norm(x, wp, residual)
+            out = project(u, wc, silu, scale)
+        normed, new_residual = rms_norm(project(x, wp), norm, 1e-5, residual)
         assert rel_err(h, new_residual) < 1e-3
         assert rel_err(scale.apply(u), normed) < 1e-2
-        assert rel_err(out, int4_linear(normed, *wc, 128, silu_mul=silu)) < 1e-2
+        assert rel_err(out, project(normed, wc, silu)) < 1e-2
         chain.append((x, wp, wc, silu))
 
     def step() -> torch.Tensor:
         r, outs = residual, []
         for x, wp, wc, silu in chain:
-            u, r, scale = int4_linear_add_norm(x, *wp, 128, r, norm, 1e-5)
-            outs.append(int4_linear(u, *wc, 128, silu_mul=silu, norm_in=scale))
+            u, r, scale = add_norm(x, wp, r)
+            outs.append(project(u, wc, silu, scale))
         return torch.cat([o.flatten() for o in outs] + [r.flatten()])
 
     eager = step()

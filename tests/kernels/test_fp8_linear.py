@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from kernels.activation import silu_mul
-from kernels.fp8_linear import FP8, FP8_MAX, fp8_linear, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm
+from kernels.fp8_linear import (
+    FP8, FP8_MAX, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, quantize_fp8, quantize_per_token, use_scaled_mm,
+)
 from kernels.int4_linear import _TILE_COUNTS, gemv_split
+from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -101,3 +104,29 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
     assert fused.shape == (rows, out_features // 2) and torch.equal(fused, apart)
     torch.testing.assert_close(fused, fp8_linear_ref(x, weight, scale, bias, silu_mul=True), **TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features, out_features", [(256, 200), (256, 208), (4096, 48)],
+                         ids=["partial-tile", "whole-tiles", "split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, dtype, in_features,
+                                                            out_features) -> None:
+    # As tests/kernels/test_int4_linear.py's: the one-row kernel's add-norm epilogue is add_norm_ref
+    # on its own projection, and the NormScale's factor on the next one's outputs is that factor on x.
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    residual = torch.randn(1, out_features, generator=gen).to(dtype)
+    norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    with nan_poisoned_allocations():
+        u, h, norm = fp8_linear_add_norm(x, weight, scale, residual, norm_w, 1e-5)
+    ref_u, ref_h, ref_norm = add_norm_ref(fp8_linear(x, weight, scale), residual, norm_w, 1e-5)
+    assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
+    assert norm.sumsq.shape == (-(-out_features // 16),)
+    torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(norm.apply(u), rms_norm_ref(fp8_linear(x, weight, scale), norm_w, 1e-5, residual)[0],
+                               **TOLERANCE[dtype])
+    w2, s2 = quantize_fp8(torch.randn(96, out_features, generator=gen) * out_features**-0.5)
+    with nan_poisoned_allocations():
+        out = fp8_linear(u, w2, s2, silu_mul=True, norm_in=norm)
+    torch.testing.assert_close(out, fp8_linear_ref(norm.apply(u), w2, s2, silu_mul=True), **TOLERANCE[dtype])
