@@ -78,3 +78,28 @@ def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
     assert kv_bytes > 0.5 * total - weights - 4 * 2**30  # and not much more than that
     [r] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(r.token_ids) == 4
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_dir, tmp_path, shape: str,
+                                                                    fmt: str) -> None:
+    """One token through a quantized model on the GPU (bfloat16): the norms folded into the one-row
+    kernels (2 norm kernels instead of 2L + 1) give the unfolded model's logits, within bf16."""
+    from engine.loader import load_model
+    from engine.offline import prompt_logits
+    from engine.quantize import quantize_checkpoint
+
+    path, _ = tiny_model_dir(shape)
+    if fmt == "int4":
+        model = load_model(quantize_checkpoint(str(path), tmp_path / "q", "rtn", group_size=32, device="cuda"),
+                           torch.bfloat16, torch.device("cuda"))
+    else:
+        model = load_model(path, torch.bfloat16, torch.device("cuda"), quantization="fp8")
+    assert model.fold_norms
+    folded = prompt_logits(model, [7])
+    model.fold_norms = False
+    apart = prompt_logits(model, [7])
+    assert ((folded - apart).norm() / apart.norm()).item() < 2e-2
+    assert folded.argmax().item() == apart.argmax().item()
