@@ -86,7 +86,8 @@ def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
 def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_dir, tmp_path, shape: str,
                                                                     fmt: str) -> None:
     """One token through a quantized model on the GPU (bfloat16): the norms folded into the one-row
-    kernels (2 norm kernels instead of 2L + 1) give the unfolded model's logits, within bf16."""
+    kernels (2 norm kernels instead of 2L + 1) give the unfolded model's logits, within bf16 (a
+    missing factor or residual would be off by O(1))."""
     from engine.loader import load_model
     from engine.offline import prompt_logits
     from engine.quantize import quantize_checkpoint
@@ -101,5 +102,7 @@ def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_d
     folded = prompt_logits(model, [7])
     model.fold_norms = False
     apart = prompt_logits(model, [7])
-    assert ((folded - apart).norm() / apart.norm()).item() < 2e-2
-    assert folded.argmax().item() == apart.argmax().item()
+    rel = ((folded - apart).norm() / apart.norm()).item()
+    assert rel < 2e-2, rel
+    # Greedy picks the same token but for near-ties (FP8 tiny Qwen2 had one): within bf16 noise of the top.
+    assert apart[0, folded.argmax()] >= apart.max() - 2e-2 * apart.abs().max()
