@@ -4,6 +4,7 @@ skipped without a GPU)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -34,6 +35,21 @@ def int4_weight(in_features: int, out_features: int, group_size: int = 128) -> t
     z = torch.randint(0, 16, (in_features // group_size, out_features), device="cuda")
     scales = (torch.rand(in_features // group_size, out_features, device="cuda") + 0.5) * 0.3 * in_features**-0.5
     return repack_awq(pack_awq(q), pack_awq(z), scales.half())
+
+
+def replayed(fn: Callable[[], torch.Tensor], pdl: bool) -> torch.Tensor:
+    """fn's output from a CUDA graph of it (captured after one eager call, which compiles), with or
+    without programmatic dependent launch, after three replays."""
+    with programmatic_launches() if pdl else contextlib.nullcontext():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
 
 
 def fp8_weight(in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,19 +203,10 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
         x, residual = rms_norm(x, norm, 1e-5, residual)
         return fp8_linear(fp8_linear(x, *fp8_up, silu_mul=True), *fp8_down) + residual
 
-    outputs = []
-    for enabled in (False, True):
-        with programmatic_launches() if enabled else contextlib.nullcontext():
-            assert programmatic_launch(h) == enabled
-            chain()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        outputs.append(out.clone())
+    assert not programmatic_launch(h)
+    with programmatic_launches():
+        assert programmatic_launch(h)
+    outputs = [replayed(chain, pdl) for pdl in (False, True)]
     assert torch.isfinite(outputs[0]).all()
     assert torch.equal(outputs[0], outputs[1])
 
@@ -252,15 +259,4 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
             outs.append(project(u, wc, silu, scale))
         return torch.cat([o.flatten() for o in outs] + [r.flatten()])
 
-    eager = step()
-    torch.cuda.synchronize()
-    with programmatic_launches():
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed, eager)
+    assert torch.equal(replayed(step, pdl=True), step())
