@@ -541,7 +541,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
                        group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False,
                        norm_in: NormScale | None = None) -> torch.Tensor:
     """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); a
-    norm_in (one row of x only) scales the one-row kernels' outputs."""
+    norm_in's factor scales the one-row kernels' outputs (x itself, first, on the other paths)."""
     _check(weight, zeros, scales, group_size)
     weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
     x2 = x.reshape(-1, weight.shape[1] * 8)
@@ -550,9 +550,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     if x2.shape[0] == 1:
         out, _, _ = _one_row(x2, weight, zeros, scales, group_size, bias, silu_mul, norm_in, None)
     else:
-        if norm_in is not None:
-            raise ValueError("a NormScale scales one row; x has several")
-        out = _int4_matmul(x2, weight, zeros, scales, group_size, bias)
+        out = _int4_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, zeros, scales, group_size, bias)
         if silu_mul:
             out = activation.silu_mul(out)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -647,7 +645,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scal
     stream kernel's epilogue: a kernel less per decode layer). norm_in: x is one row still to be
     normalized (an add-norm epilogue's output), whose factor the one-row kernels apply to their
     outputs. Triton where `use_triton` says so, else the reference."""
-    if use_triton(x) and (norm_in is None or x.numel() == x.shape[-1]):
+    if use_triton(x):
         return int4_linear_triton(x, weight, zeros, scales, group_size, bias, silu_mul, norm_in)
     x = x if norm_in is None else norm_in.apply(x)
     return int4_linear_ref(x, weight, zeros, scales, group_size, bias, silu_mul)
