@@ -163,7 +163,7 @@ def _fp8_gemv_kernel(
         y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     if ADD_NORM:
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+        store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr, HAS_BIAS)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -308,13 +308,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return activation.silu_mul(y) if silu_mul else y
 
 
-def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, residual: torch.Tensor,
-                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
     """As int4_linear_add_norm, for an FP8 weight: the one-row kernel's add-norm epilogue where it
     runs, else fp8_linear and add_norm_ref."""
     x2 = x.reshape(-1, weight.shape[1])
     if use_triton(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight):
-        out, h, sumsq = _fp8_gemv(x2.contiguous(), weight, weight_scale, None, False, None,
+        out, h, sumsq = _fp8_gemv(x2.contiguous(), weight, weight_scale, bias, False, None,
                                   (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
-    return add_norm_ref(fp8_linear(x, weight, weight_scale), residual, norm_weight, eps)
+    return add_norm_ref(fp8_linear(x, weight, weight_scale, bias), residual, norm_weight, eps)

@@ -223,11 +223,14 @@ def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
 
 
 @triton.jit
-def store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr):
+def store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
+                   HAS_BIAS: tl.constexpr):
     """The add-norm epilogue (add_norm_ref) over a one-row kernel's final float32 outputs y for
-    `rows` (ok: those this program stores): h = y + residual into residual_out, h * norm weight
-    into out, and the sum of h^2 over these rows into sumsq[program_id(0)], one slot per row tile
-    (the next projection sums them: NormScale). Residual and weight are read here, after the wait."""
+    `rows` (ok: those this program stores), bias added: h = y + residual into residual_out, h * norm
+    weight into out, and the sum of h^2 over these rows into sumsq[program_id(0)], one slot per row
+    tile (the next projection sums them: NormScale). Residual and weight are read here, after the wait."""
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + rows, mask=ok, other=0.0)
     norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
     h = y.to(out_ptr.dtype.element_ty) + residual
@@ -321,9 +324,9 @@ def _int4_stream_gemv_kernel(
     y = tl.sum(acc, axis=1) * 16.0
     if NORM_IN:
         y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
-    if ADD_NORM:  # no bias (o_proj and down_proj have none), no SiLU
+    if ADD_NORM:  # no SiLU
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+        store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr, HAS_BIAS)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -368,7 +371,8 @@ def _int4_gemv_kernel(
     if NORM_IN:
         y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     if ADD_NORM:
-        store_add_norm(y, rows, row_ok, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr)
+        store_add_norm(y, rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
+                       HAS_BIAS)
     else:
         store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
@@ -527,7 +531,10 @@ def stream_gemv_config(group_size: int) -> dict[str, int]:
     return dict(ROWS=16, BLOCK_W=max(64, group_size // 8), num_warps=1, num_stages=1)
 
 
-def _check(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+def _checked(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, zeros, scales) contiguous, as repack_awq makes them, once their shapes and the group
+    size are checked (ValueError)."""
     out_features, words = weight.shape
     in_features = words * 8
     if group_size < 16 or group_size & (group_size - 1) or in_features % group_size:
@@ -535,6 +542,7 @@ def _check(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, grou
     if zeros.shape != (out_features, in_features // group_size) or scales.shape != zeros.shape:
         raise ValueError(f"zeros {tuple(zeros.shape)} and scales {tuple(scales.shape)} must both be "
                          f"[N, K / G] = [{out_features}, {in_features // group_size}]")
+    return weight.contiguous(), zeros.contiguous(), scales.contiguous()
 
 
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -542,8 +550,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
                        norm_in: NormScale | None = None) -> torch.Tensor:
     """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); a
     norm_in's factor scales the one-row kernels' outputs (x itself, first, on the other paths)."""
-    _check(weight, zeros, scales, group_size)
-    weight, zeros, scales = weight.contiguous(), zeros.contiguous(), scales.contiguous()  # as repack_awq makes them
+    weight, zeros, scales = _checked(weight, zeros, scales, group_size)
     x2 = x.reshape(-1, weight.shape[1] * 8)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -652,15 +659,14 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scal
 
 
 def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                         group_size: int, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
-    """y = x @ W.T for one row x [1, K], then the residual add and RMSNorm that follow it, as
+                         group_size: int, bias: torch.Tensor | None, residual: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    """y = x @ W.T + bias for one row x [1, K], then the residual add and RMSNorm that follow it, as
     kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual y + residual,
     and the NormScale the next projection applies (int4_linear's norm_in). On the one-row kernels
     it is their epilogue: no norm kernel between two projections."""
     if use_triton(x) and x.numel() == x.shape[-1]:
-        _check(weight, zeros, scales, group_size)
-        out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), weight.contiguous(), zeros.contiguous(),
-                                 scales.contiguous(), group_size, None, False, None, (residual.reshape(1, -1), norm_weight))
+        out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
+                                 group_size, bias, False, None, (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
-    return add_norm_ref(int4_linear(x, weight, zeros, scales, group_size), residual, norm_weight, eps)
+    return add_norm_ref(int4_linear(x, weight, zeros, scales, group_size, bias), residual, norm_weight, eps)

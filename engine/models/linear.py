@@ -102,10 +102,8 @@ class Int4Linear(Projection):
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
-        if self.bias is not None:  # the epilogue adds no bias (o_proj and down_proj have none)
-            return super().add_norm(x, residual, norm_weight, eps)
         return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
-                                    residual, norm_weight, eps)
+                                    self.bias, residual, norm_weight, eps)
 
     def _runtime_weight(self) -> nn.Parameter:
         if self.weight is None:
@@ -159,9 +157,7 @@ class Fp8Linear(Projection):
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
-        if self.bias is not None:  # as Int4Linear's
-            return super().add_norm(x, residual, norm_weight, eps)
-        return fp8_linear_add_norm(x, self.weight, self.weight_scale, residual, norm_weight, eps)
+        return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads

@@ -226,7 +226,7 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
             return int4_linear(x, *w, 128, silu_mul=silu, norm_in=norm_in)
 
         def add_norm(x, w, residual):
-            return int4_linear_add_norm(x, *w, 128, residual, norm, 1e-5)
+            return int4_linear_add_norm(x, *w, 128, None, residual, norm, 1e-5)
     else:
         make = fp8_weight
 
@@ -234,7 +234,7 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
             return fp8_linear(x, *w, silu_mul=silu, norm_in=norm_in)
 
         def add_norm(x, w, residual):
-            return fp8_linear_add_norm(x, *w, residual, norm, 1e-5)
+            return fp8_linear_add_norm(x, *w, None, residual, norm, 1e-5)
 
     hidden = SHAPES["o"][1]
     residual = torch.randn(1, hidden, device="cuda", dtype=dtype)

@@ -118,13 +118,14 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     residual = torch.randn(1, out_features, generator=gen).to(dtype)
     norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
     with nan_poisoned_allocations():
-        u, h, norm = fp8_linear_add_norm(x, weight, scale, residual, norm_w, 1e-5)
-    ref_u, ref_h, ref_norm = add_norm_ref(fp8_linear(x, weight, scale), residual, norm_w, 1e-5)
+        u, h, norm = fp8_linear_add_norm(x, weight, scale, bias, residual, norm_w, 1e-5)
+    ref_u, ref_h, ref_norm = add_norm_ref(fp8_linear(x, weight, scale, bias), residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
     assert norm.sumsq.shape == (-(-out_features // 16),)
     torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(norm.apply(u), rms_norm_ref(fp8_linear(x, weight, scale), norm_w, 1e-5, residual)[0],
+    torch.testing.assert_close(norm.apply(u), rms_norm_ref(fp8_linear(x, weight, scale, bias), norm_w, 1e-5, residual)[0],
                                **TOLERANCE[dtype])
     w2, s2 = quantize_fp8(torch.randn(96, out_features, generator=gen) * out_features**-0.5)
     with nan_poisoned_allocations():

@@ -236,7 +236,7 @@ def test_prefill_dequantizes_with_triton_then_multiplies(triton_interpreter, dty
                          ids=["latency", "stream-partial-tile", "stream", "stream-split-k"])
 def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, stream,
                                                             in_features, out_features) -> None:
-    # o_proj / down_proj: y = x W^T, then h = y + residual (the new residual) and the norm of h,
+    # o_proj / down_proj: y = x W^T + b, then h = y + residual (the new residual) and the norm of h,
     # left as h * weight and a NormScale; the next projection applies its factor to its outputs.
     # Against add_norm_ref (same roundings: exact but for the sum of squares' order) and against
     # rms_norm followed by the projection (within the rounding of h * weight).
@@ -246,16 +246,17 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     residual = torch.randn(1, out_features, generator=gen).to(dtype)
     norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
     with nan_poisoned_allocations():
-        u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 64, residual, norm_w, 1e-5)
+        u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 64, bias, residual, norm_w, 1e-5)
     exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
-    y = int4_linear(x, weight, zeros, scales, 64)  # the kernel's own projection: the sums below are exact
+    y = int4_linear(x, weight, zeros, scales, 64, bias)  # the kernel's own projection: the sums below are exact
     ref_u, ref_h, ref_scale = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
     tiles = -(-out_features // (16 if stream else 4))
     assert scale.sumsq.shape == (tiles,) and scale.eps == 1e-5
     torch.testing.assert_close(scale.sumsq.sum(), ref_scale.sumsq.sum(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64) + residual,
+    torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64, bias) + residual,
                                **STREAM_TOLERANCE[dtype])
     normed, new_residual = rms_norm_ref(y, norm_w, 1e-5, residual)
     assert torch.equal(new_residual, h)
@@ -275,7 +276,7 @@ def test_norm_in_and_add_norm_off_the_kernels_are_the_reference() -> None:
     gen = torch.Generator().manual_seed(11)
     weight, zeros, scales = int4_weight(128, 64, 32, gen)
     x, residual, norm_w = torch.randn(1, 128, generator=gen), torch.randn(1, 64, generator=gen), torch.rand(64) + 0.5
-    u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 32, residual, norm_w, 1e-6)
+    u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 32, None, residual, norm_w, 1e-6)
     normed, new_residual = rms_norm_ref(int4_linear_ref(x, weight, zeros, scales, 32), norm_w, 1e-6, residual)
     assert torch.equal(h, new_residual)
     torch.testing.assert_close(scale.apply(u), normed, rtol=1e-5, atol=1e-6)
