@@ -245,6 +245,17 @@ def _awq_layer(layer: DecoderLayer, cfg: ModelConfig, inputs: dict[str, torch.Te
             _clip(weight, *_search_clip(x, weight, group_size), group_size)
 
 
+@contextlib.contextmanager
+def _flush_denormals() -> Iterator[None]:
+    """Calibration's CPU matmuls with denormals flushed: tiny activations times tiny weights make
+    denormals, which are many times slower on CPUs."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 @torch.no_grad()
 def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, feed_changed: bool,
                     change: Callable[[DecoderLayer, dict[str, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]], None]
@@ -254,9 +265,7 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
     attention block), and feed the next layer this layer's output from after the change
     (feed_changed) or from before it."""
     batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
-    # Tiny activations times tiny weights make denormals, which are many times slower on CPUs.
-    torch.set_flush_denormal(True)
-    try:
+    with _flush_denormals():
         hidden, residual = model.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(model.layers):
             start = time.monotonic()
@@ -275,8 +284,6 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
                 out = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
             hidden, residual = out
             log.info("%s layer %d/%d: %.1f s", what, i + 1, model.cfg.num_layers, time.monotonic() - start)
-    finally:
-        torch.set_flush_denormal(False)
 
 
 def awq_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int, clip: bool = True) -> None:
@@ -388,14 +395,11 @@ def int4_lm_head_calibrate(model: DecoderModel, sequences: list[list[int]], grou
     GPTQ), fed the final hidden states of the already quantized decoder on the calibration text:
     (the rounded weight [V, H], its grids). The model is left as it is (a tied embedding stays float)."""
     batch = pack_sequences(model, sequences)
-    torch.set_flush_denormal(True)  # as in _layer_by_layer
-    try:
+    with _flush_denormals():
         x = model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta).float()
         weight = lm_head_weight(model).float().clone()
         _clip(weight, *_search_clip(x, weight, group_size), group_size)
         rounded, scale, zero = int4_gptq(weight, x, group_size)
-    finally:
-        torch.set_flush_denormal(False)
     return rounded, (scale, zero)
 
 
