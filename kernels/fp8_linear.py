@@ -22,8 +22,9 @@ import triton.language as tl
 
 from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.int4_linear import (gemv_split, matmul_config, norm_arguments, norm_factor, one_row_rows, split_k_for,
-                                 split_workspace, store_add_norm, store_one_row, store_tile, sum_splits, tile_coords)
+from kernels.int4_linear import (add_norm_operands, gemv_split, matmul_config, norm_arguments, norm_factor,
+                                 one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
+                                 sum_splits, tile_coords)
 from kernels.rmsnorm import NormScale, add_norm_ref
 
 FP8 = torch.float8_e4m3fn
@@ -134,7 +135,12 @@ def _fp8_gemv_kernel(
     c = w_begin + tl.arange(0, BLOCK_W)
     # Weights are never written, so the first step's may be read before the previous kernel ends.
     p = tl.load(w_rows + c[None, :], mask=row_ok[:, None] & (c < w_end)[None, :], other=0)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    if ADD_NORM:
+        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
     wait_for_previous_kernel(PDL)
+    if NORM_IN:  # its partial sums' latency under the loop's
+        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     acc = tl.zeros([ROWS, BLOCK_W], dtype=tl.float32)
     for c0 in range(w_begin, w_end, BLOCK_W):
         c = c0 + tl.arange(0, BLOCK_W)
@@ -155,15 +161,14 @@ def _fp8_gemv_kernel(
                 acc += ((t >> 4) & sign_exp_man).to(tl.float32, bitcast=True) * xj[None, :]
         c_next = c + BLOCK_W
         p = tl.load(w_rows + c_next[None, :], mask=row_ok[:, None] & (c_next < w_end)[None, :], other=0)
-    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     if not CVT:
         scale *= 1.329227995784916e36  # 2**120
     y = tl.sum(acc, axis=1) * scale
     if NORM_IN:
-        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+        y *= factor
     if ADD_NORM:
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr, HAS_BIAS)
+        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 

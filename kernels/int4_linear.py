@@ -223,17 +223,28 @@ def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
 
 
 @triton.jit
-def store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
-                   HAS_BIAS: tl.constexpr):
-    """The add-norm epilogue (add_norm_ref) over a one-row kernel's final float32 outputs y for
-    `rows` (ok: those this program stores), bias added: h = y + residual into residual_out, h * norm
-    weight into out, and the sum of h^2 over these rows into sumsq[program_id(0)], one slot per row
-    tile (the next projection sums them: NormScale). Residual and weight are read here, after the wait."""
+def add_norm_operands(rows, ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS: tl.constexpr):
+    """The add-norm epilogue's inputs for `rows` (ok: in range): (bias as float32, or 0.0, residual,
+    norm weight). Loaded before the wait for the previous kernel: the residual comes from an
+    add-norm two or more kernels back (decode: the projection before the previous one), which
+    finished before the previous kernel passed its own wait, so before this one was launched; it is
+    read from L2 (.cg), where those writes are. Bias and weight are never written."""
+    bias = 0.0
     if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + rows, mask=ok, other=0.0)
+        bias = tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
     norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
-    h = y.to(out_ptr.dtype.element_ty) + residual
+    return bias, residual, norm_w
+
+
+@triton.jit
+def store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr):
+    """The add-norm epilogue (add_norm_ref) over a one-row kernel's final float32 outputs y for
+    `rows` (ok: those this program stores), with add_norm_operands' bias, residual and norm weight:
+    h = y + bias + residual into residual_out, h * norm weight into out, and the sum of h^2 over
+    these rows into sumsq[program_id(0)], one slot per row tile (the next projection sums them:
+    NormScale)."""
+    h = (y + bias).to(out_ptr.dtype.element_ty) + residual
     tl.store(residual_out_ptr + rows, h, mask=ok)
     tl.store(out_ptr + rows, h * norm_w, mask=ok)
     hf = tl.where(ok, h.to(tl.float32), 0.0)
@@ -295,7 +306,11 @@ def _int4_stream_gemv_kernel(
     # Weights are never written, so the first step's may be read before the previous kernel ends;
     # each step loads the next one's before its math.
     p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, w_begin // WPG + gs, g_end, WPG)
+    if ADD_NORM:
+        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
     wait_for_previous_kernel(PDL)
+    if NORM_IN:  # its partial sums' latency under the loop's
+        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     acc = tl.zeros([ROWS, GPS], dtype=tl.float32)
     for c0 in range(w_begin, g_end * WPG, BLOCK_W):
         g = c0 // WPG + gs
@@ -323,10 +338,10 @@ def _int4_stream_gemv_kernel(
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1) * 16.0
     if NORM_IN:
-        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+        y *= factor
     if ADD_NORM:  # no SiLU
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr, HAS_BIAS)
+        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -354,7 +369,11 @@ def _int4_gemv_kernel(
     s_rows = scales_ptr + rows.to(tl.int64)[:, None] * stride_g
     num_groups = K // GROUP
     p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, gs, num_groups, GROUP // 8)
+    if ADD_NORM:
+        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
     wait_for_previous_kernel(PDL)
+    if NORM_IN:
+        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
     for g0 in range(0, num_groups, GROUPS):
         g = g0 + gs
@@ -369,10 +388,9 @@ def _int4_gemv_kernel(
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1)
     if NORM_IN:
-        y *= norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+        y *= factor
     if ADD_NORM:
-        store_add_norm(y, rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
-                       HAS_BIAS)
+        store_add_norm(y, rows, row_ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
     else:
         store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
