@@ -59,18 +59,18 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     # One program per row; the whole row stays in registers between the sum and the scaling.
     start = tl.program_id(0).to(tl.int64) * hidden
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # never written: read before the wait
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + start + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + start + cols, mask=mask, other=0.0)
         tl.store(new_residual_ptr + start + cols, x, mask=mask)
     h = x.to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     # Round h to the input dtype before the weight multiply, as the reference does.
     tl.store(out_ptr + start + cols, weight * h.to(x.dtype), mask=mask)
 

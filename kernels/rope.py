@@ -95,7 +95,9 @@ def _rope_store_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token: every q and k head rotated, k and v written at the token's slot.
-    wait_for_previous_kernel(PDL)
+    # Before the wait for the previous kernel (the QKV projection): the position, slot and cos/sin
+    # row, which host copies made before the step and no kernel writes (each step's row is a new
+    # one, so the table read is a trip to DRAM that the projection's tail now hides).
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -105,6 +107,7 @@ def _rope_store_kv_kernel(
     in_dtype = q_ptr.dtype.element_ty
     cos = tl.load(table, mask=dims < half, other=0.0).to(in_dtype).to(tl.float32)
     sin = tl.load(table + half, mask=dims < half, other=0.0).to(in_dtype).to(tl.float32)
+    wait_for_previous_kernel(PDL)
     _rotate_heads(q_ptr + token * q_stride_t, q_stride_h, q_out_ptr + token * q_out_stride_t, q_out_stride_h,
                   num_heads, half, cos, sin, BLOCK_H, BLOCK_HALF)
     _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, k_cache_ptr + slot * cache_stride_slot, cache_stride_h,
