@@ -682,7 +682,9 @@ def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Ten
     """y = x @ W.T + bias for one row x [1, K], then the residual add and RMSNorm that follow it, as
     kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual y + residual,
     and the NormScale the next projection applies (int4_linear's norm_in). On the one-row kernels
-    it is their epilogue: no norm kernel between two projections."""
+    it is their epilogue: no norm kernel between two projections. Under PDL the kernel reads
+    `residual` before waiting for the kernel before it, so that kernel must not be what wrote it
+    (in the decoder an add-norm's residual comes from the add-norm two or more kernels back)."""
     if use_triton(x) and x.numel() == x.shape[-1]:
         out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
                                  group_size, bias, False, None, (residual.reshape(1, -1), norm_weight))
