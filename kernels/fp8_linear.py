@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import activation
+from kernels import activation, int4_linear
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.int4_linear import (add_norm_operands, gemv_split, matmul_config, norm_arguments, norm_factor,
                                  one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
@@ -211,28 +211,42 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
+    """_fp8_gemv_kernel's tiling by weight size, split as the INT4 one-row kernels are
+    (kernels/int4_linear.py's STREAM_WEIGHTS). A small weight (Llama-3.2-1B's QKV and O) takes
+    4 rows a program of 4 warps, 2,048 input features a step and no split: many small programs
+    that load their whole rows before the wait for the previous kernel and end without split-K's
+    partial sums (FP8 decode at batch 1 1,435 → 1,494 tok/s on the H200, two rounds in one call; 2 or
+    8 warps, 2 or 8 rows and 1,024 features a step all ran 1,426-1,443). A large one takes 16 rows a
+    program of 2 warps, 64 words (256 bytes) of each per step, split along K up to ~8 programs per
+    SM (best of H200 sweeps at Llama-3.2-1B's gate/up and down; with the hardware decode, 2 warps
+    against 4 took a decode step 0.82 → 0.77 ms)."""
+    if out_features * in_features < int4_linear.STREAM_WEIGHTS:
+        return dict(ROWS=4, BLOCK_W=min(512, triton.next_power_of_2(in_features // 4)), num_warps=4, split=False)
+    return dict(ROWS=16, BLOCK_W=64, num_warps=2, split=True)
+
+
 def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
               silu_mul: bool, norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One row x [1, K] through _fp8_gemv_kernel: [1, N], or [1, N / 2] with silu_mul (and, with
-    add_norm, the new residual and the sums of squares: int4_linear's _one_row). 16 weight
-    rows a program of 2 warps, 64 words (256 bytes) of each per step, split along K up to ~8
-    programs per SM (best of H200 sweeps at Llama-3.2-1B's projections: with the hardware decode,
-    2 warps against 4 took a decode step 0.82 → 0.77 ms)."""
+    """One row x [1, K] through _fp8_gemv_kernel (tiled by gemv_config): [1, N], or [1, N / 2] with
+    silu_mul (and, with add_norm, the new residual and the sums of squares: int4_linear's _one_row)."""
     out_features, in_features = weight.shape
     words = weight.view(torch.uint8).view(torch.int32)
     outputs = out_features // 2 if silu_mul else out_features
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(outputs, 8 if silu_mul else 16)
-    split_k, per_split = gemv_split(tiles, in_features // 4, 64, x.device)
+    cfg = gemv_config(out_features, in_features)
+    split = cfg.pop("split")
+    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    split_k, per_split = gemv_split(tiles, in_features // 4, cfg["BLOCK_W"], x.device) if split else (1, in_features // 4)
     part, counts = split_workspace(out, split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_gemv_kernel[(tiles, split_k)](
         x, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
-        in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, HAS_BIAS=bias is not None, ROWS=16,
-        BLOCK_W=64, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_warps=2, num_stages=1, **launch_options(pdl))
+        in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, HAS_BIAS=bias is not None,
+        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
