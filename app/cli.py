@@ -9,7 +9,7 @@ import sys
 from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.quantize import METHODS, quantize_checkpoint
+from engine.quantize import METHODS, TUNE_STEPS, quantize_checkpoint
 from engine.sampling_params import SamplingParams
 
 
@@ -55,13 +55,18 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         help="int4: awq (activation-aware scales and clipping from a calibration text) or rtn (round "
                              "to nearest); fp8-gptq: FP8 with per-channel scales, rounded by GPTQ on the calibration text")
     parser.add_argument("--group-size", type=int, default=None,
-                        help="int4: input features per scale and zero point (default 128, or 64 or 32 where 128 does not fit the model)")
+                        help="int4: input features per scale and zero point (default: the blocks of the quantized file the "
+                             "weights came from, e.g. 32 for the embedded Q4_1 model; else 128, or 64 or 32 where "
+                             "128 does not fit the model)")
     parser.add_argument("--lm-head", action="store_true",
                         help="int4: quantize lm_head too (quantization_config lm_head: true; AutoAWQ keeps it float, "
                              "so other servers may not load the result; at batch 1 on a 1B model it is half the "
                              "bytes a step reads)")
     parser.add_argument("--calibration-tokens", type=int, default=2048,
                         help="tokens of the shipped calibration text awq and fp8-gptq run through the model (default: all of it, ~1,700)")
+    parser.add_argument("--tune-steps", type=int, default=TUNE_STEPS,
+                        help=f"awq: most steps of the end-to-end tuning of the scales and norm weights against the "
+                             f"float model, stopped early by a held-out part of the text (default {TUNE_STEPS}; 0: none)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="the directory to write (must not exist, or be empty)")
     parser.add_argument("--log-level", default="INFO")
@@ -69,7 +74,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 def quantize(args: argparse.Namespace) -> int:
     out = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.calibration_tokens,
-                              args.device, lm_head=args.lm_head)
+                              args.device, lm_head=args.lm_head, tune_steps=args.tune_steps)
     print(f"minillm: wrote {out}; serve it with `minillm serve --model {out}`", file=sys.stderr)
     return 0
 

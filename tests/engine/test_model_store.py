@@ -17,9 +17,11 @@ from engine.errors import ModelLoadError
 from engine.model_store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL,
+    GGUF_BLOCK,
     ensure_default_model,
     models_dir,
     resolve_model,
+    source_block_size,
 )
 
 CHAT = [
@@ -130,3 +132,13 @@ def test_resolve_missing_path_names_it(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelLoadError, match="no-such-model"):
         resolve_model(str(missing))
+
+
+def test_source_block_size_is_the_embedded_ggufs_for_its_conversion_only(default_model_dir: Path, tmp_path: Path) -> None:
+    # Q4_1 quantized the default model's rows in blocks of 32: its conversion says so, other directories do not.
+    assert source_block_size(default_model_dir) == GGUF_BLOCK == 32
+    assert source_block_size(tmp_path) is None
+    (tmp_path / COMPLETE_MARKER).write_text(json.dumps({"source": "other.gguf", "sha256": "0" * 64}))
+    assert source_block_size(tmp_path) is None
+    (tmp_path / COMPLETE_MARKER).write_text("not json")
+    assert source_block_size(tmp_path) is None

@@ -19,7 +19,10 @@ from engine.models.config import ModelConfig, QuantConfig, parse_quantization
 from engine.models.linear import Fp8Linear, Int4Linear
 from engine.models.llama import DecoderModel
 from engine.offline import prompt_logits
-from engine.quantize import awq_calibrate, gptq_round, int4_gptq, quantize_checkpoint, quantize_weight
+from engine.quantize import (
+    TUNE_HELD_OUT, _kl, _next_token_logprobs, awq_calibrate, calibration_sequences, default_group_size, gptq_round,
+    int4_gptq, int4_gptq_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end,
+)
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kernels.fp8_linear import FP8, FP8_MAX
@@ -397,3 +400,44 @@ def test_fp8_gptq_checkpoint_loads_back(tiny_with_tokenizer, tmp_path) -> None:
     assert len(_greedy(out)) == 8
     reference = prompt_logits(load_model(tiny_with_tokenizer, torch.float32, CPU), PROMPT)
     assert _rel(prompt_logits(quantized, PROMPT), reference) < 0.2
+
+
+def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with_tokenizer) -> None:
+    """The tuning moves only group scales (still float16 values) and norm weights: every weight stays
+    (its level - its zero point) * its group's scale, with the levels and zero points GPTQ chose,
+    and the next-token KL from the float model on the held-out end of the text goes down."""
+    teacher = load_model(tiny_with_tokenizer, torch.float32, CPU)
+    model = load_model(tiny_with_tokenizer, torch.float32, CPU)
+    sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 512)
+    grids = int4_gptq_calibrate(model, sequences, 32)
+    levels = {m: torch.round(m.weight / s.repeat_interleave(32, 1)) for m, (s, _z) in grids.items()}
+    zeros = {m: z.clone() for m, (_s, z) in grids.items()}
+    norm = model.norm.detach().clone()
+    tokens = [t for seq in sequences for t in seq]
+    held = [tokens[int(len(tokens) * (1 - TUNE_HELD_OUT)):]]
+
+    def held_out_kl() -> float:
+        with torch.no_grad():
+            return _kl(_next_token_logprobs(teacher, held), _next_token_logprobs(model, held)).item()
+
+    before = held_out_kl()
+    tune_end_to_end(model, teacher, sequences, grids, 32, steps=0)
+    assert held_out_kl() == before
+    tune_end_to_end(model, teacher, sequences, grids, 32, steps=10)
+    assert held_out_kl() < before
+    assert not torch.equal(model.norm, norm)
+    for module, (scale, zero) in grids.items():
+        assert torch.equal(scale, scale.half().float()) and (scale > 0).all() and torch.equal(zero, zeros[module])
+        step = scale.repeat_interleave(32, 1)
+        assert torch.equal(module.weight, levels[module] * step)
+        exported = quantize_weight(module.weight, 32, (scale, zero))
+        assert torch.equal(unpack_awq(exported["qweight"]).t().float() - zero.repeat_interleave(32, 1), levels[module])
+
+
+def test_default_group_size_follows_the_source_blocks_where_they_fit(default_model_dir, tiny_model_dir) -> None:
+    # SmolLM2 (hidden 576: 128 does not fit) was Q4_1 in blocks of 32; a Llama shape takes 128 unless
+    # its weights came from such blocks; a block that does not fit the layers is passed over.
+    smol = ModelConfig.from_dir(default_model_dir)
+    assert default_group_size(smol) == 64 and default_group_size(smol, 32) == 32
+    tiny = ModelConfig.from_dir(tiny_model_dir("tiny-llama3")[0])
+    assert default_group_size(tiny) == 64 and default_group_size(tiny, 32) == 32 and default_group_size(tiny, 256) == 64
