@@ -61,6 +61,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.offline import pack_sequences
 from engine.tokenizer import Tokenizer
+from kernels.dispatch import reference_kernels
 from kernels.fp8_linear import FP8, FP8_MAX, quantize_fp8
 from kernels.int4_linear import pack_awq
 
@@ -438,8 +439,9 @@ def _next_token_logprobs(model: DecoderModel, sequences: list[list[int]],
     the model's own parameters."""
     batch = pack_sequences(model, sequences)
     args = (batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
-    hidden = torch.func.functional_call(model, overrides or {}, args)
-    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+    with reference_kernels():  # autograd's path; the Triton kernels have no backward
+        hidden = torch.func.functional_call(model, overrides or {}, args)
+        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
 def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:

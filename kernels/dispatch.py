@@ -13,10 +13,25 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+_reference_only = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when `t` is on a CUDA device, or when TRITON_INTERPRET=1 (read at each call), which lets
-    CPU tests run the Triton kernels through Triton's interpreter."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    CPU tests run the Triton kernels through Triton's interpreter; False inside reference_kernels()."""
+    return not _reference_only and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Inside, every kernel runs its torch reference, on any device: what autograd differentiates
+    (engine/quantize.py's end-to-end tuning), where the Triton kernels have no backward."""
+    global _reference_only
+    previous, _reference_only = _reference_only, True
+    try:
+        yield
+    finally:
+        _reference_only = previous
 
 
 def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
