@@ -458,7 +458,8 @@ def tune_end_to_end(model: DecoderModel, teacher: DecoderModel, sequences: list[
     fifth is held out: every TUNE_CHECK steps its KL is measured, tuning stops after TUNE_PATIENCE
     checks in a row without a new best (more steps overfit the short text: SmolLM2 at group size
     64, eval perplexity 9.84 → 9.15 in 20 steps, then 9.28 at 60), and the best values seen are
-    kept. Updates the modules' weights (still on their grids), their `grids` and the norm weights
+    kept (SmolLM2 at group size 32: held-out KL 0.150 → 0.109 at 35 steps, eval perplexity 9.13 →
+    8.62). Updates the modules' weights (still on their grids), their `grids` and the norm weights
     in place."""
     tokens = [t for seq in sequences for t in seq]
     cut = int(len(tokens) * (1 - TUNE_HELD_OUT))
@@ -592,6 +593,8 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
     only, lm_head quantized too; tune_steps: awq's end-to-end tuning's most steps (0: none)."""
     if method not in METHODS:
         raise ModelLoadError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
+    if tune_steps < 0:
+        raise ModelLoadError(f"tune_steps must be 0 (no tuning) or more; got {tune_steps}.")
     src = resolve_model(model)
     cfg = ModelConfig.from_dir(src)
     if cfg.quantization is not None:

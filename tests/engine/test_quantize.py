@@ -328,6 +328,8 @@ def test_quantization_flag_is_checked(tiny_model_dir, tmp_path) -> None:
 def test_quantize_refuses_what_it_cannot_do(tiny_model_dir, tiny_with_tokenizer, tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="group size 48 does not fit"):
         quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "a", "rtn", group_size=48)
+    with pytest.raises(ModelLoadError, match="tune_steps must be 0"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "a", "awq", tune_steps=-1)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ModelLoadError, match="not an empty directory"):
