@@ -41,6 +41,7 @@ in bfloat16), config.json with its quantization_config, and the tokenizer and ge
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -449,26 +450,43 @@ def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
 
-def tune_end_to_end(model: DecoderModel, teacher: DecoderModel, sequences: list[list[int]],
-                    grids: dict[torch.nn.Module, Grid], group_size: int, steps: int = TUNE_STEPS) -> None:
-    """Tune the int4 model's group scales and RMSNorm weights, its levels and zero points fixed, so
-    that its next-token distributions match the float `teacher`'s over the calibration text (KL
-    divergence, Adam on each value's relative change), as norm tweaking and OmniQuant do: GPTQ and
-    AWQ fit each layer's own output, this fits what the layers' errors add up to. The text's last
-    fifth is held out: every TUNE_CHECK steps its KL is measured, tuning stops after TUNE_PATIENCE
-    checks in a row without a new best (more steps overfit the short text: SmolLM2 at group size
-    64, eval perplexity 9.84 → 9.15 in 20 steps, then 9.28 at 60), and the best values seen are
-    kept (SmolLM2 at group size 32: held-out KL 0.150 → 0.109 at 35 steps, eval perplexity 9.13 →
-    8.62). Updates the modules' weights (still on their grids), their `grids` and the norm weights
-    in place."""
+@dataclasses.dataclass
+class TuningTargets:
+    """What the end-to-end tuning fits: the calibration text split into tuning sequences and a
+    held-out one (its last fifth), with the float model's next-token log-probabilities on each."""
+    tune: list[list[int]]
+    held: list[list[int]]
+    tune_logprobs: torch.Tensor
+    held_logprobs: torch.Tensor
+
+
+@torch.no_grad()
+def tuning_targets(teacher: DecoderModel, sequences: list[list[int]]) -> TuningTargets | None:
+    """The float `teacher`'s TuningTargets on the calibration sequences (taken before AWQ changes
+    the model, so no second copy of it is kept), or None where the text is too short to split."""
     tokens = [t for seq in sequences for t in seq]
     cut = int(len(tokens) * (1 - TUNE_HELD_OUT))
-    if steps <= 0 or cut < 2 or len(tokens) - cut < 2:
-        return
-    tune = [tokens[i:i + CALIBRATION_SEQ_LEN] for i in range(0, cut, CALIBRATION_SEQ_LEN)]
+    if cut < 2 or len(tokens) - cut < 2:
+        return None
+    tune = [tokens[i:min(i + CALIBRATION_SEQ_LEN, cut)] for i in range(0, cut, CALIBRATION_SEQ_LEN)]
     tune, held = [seq for seq in tune if len(seq) > 1], [tokens[cut:]]
-    with torch.no_grad():
-        targets = _next_token_logprobs(teacher, tune), _next_token_logprobs(teacher, held)
+    return TuningTargets(tune, held, _next_token_logprobs(teacher, tune), _next_token_logprobs(teacher, held))
+
+
+def tune_end_to_end(model: DecoderModel, targets: TuningTargets, grids: dict[torch.nn.Module, Grid],
+                    group_size: int, steps: int = TUNE_STEPS) -> None:
+    """Tune the int4 model's group scales and RMSNorm weights, its levels and zero points fixed, so
+    that its next-token distributions match the float model's (`targets`) over the calibration text
+    (KL divergence, Adam on each value's relative change), as norm tweaking and OmniQuant do: GPTQ
+    and AWQ fit each layer's own output, this fits what the layers' errors add up to. Every
+    TUNE_CHECK steps the held-out text's KL is measured; tuning stops after TUNE_PATIENCE checks in
+    a row without a new best (more steps overfit the short text: SmolLM2 at group size 64, eval
+    perplexity 9.84 → 9.15 in 20 steps, then 9.28 at 60), and the best values seen are kept
+    (SmolLM2 at group size 32: held-out KL 0.150 → 0.109 at 35 steps, eval perplexity 9.13 →
+    8.62). Updates the modules' weights (still on their grids), their `grids` and the norm weights
+    in place."""
+    if steps <= 0:
+        return
     names = {module: name for name, module in model.named_modules()}
     # Per quantized weight: (name, levels minus zero points [N, K], scales [N, K/G]); per norm: (name, weight).
     weights = [(f"{names[m]}.weight", torch.round(m.weight.detach().float() / s.repeat_interleave(group_size, 1)), s)
@@ -484,7 +502,7 @@ def tune_end_to_end(model: DecoderModel, teacher: DecoderModel, sequences: list[
 
     def held_out_kl() -> float:
         with torch.no_grad():
-            return _kl(targets[1], _next_token_logprobs(model, held, overrides())).item()
+            return _kl(targets.held_logprobs, _next_token_logprobs(model, targets.held, overrides())).item()
 
     optimizer = torch.optim.Adam(deltas, lr=TUNE_LR)
     best, best_kl, misses = [d.detach().clone() for d in deltas], held_out_kl(), 0
@@ -492,7 +510,7 @@ def tune_end_to_end(model: DecoderModel, teacher: DecoderModel, sequences: list[
     with _flush_denormals():
         for step in range(1, steps + 1):
             start = time.monotonic()
-            loss = _kl(targets[0], _next_token_logprobs(model, tune, overrides()))
+            loss = _kl(targets.tune_logprobs, _next_token_logprobs(model, targets.tune, overrides()))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -621,12 +639,12 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
         if not sequences:
             raise ModelLoadError(f"calibration_tokens must be at least 2; got {calibration_tokens}.")
         if method == "awq":
-            teacher = load_model(src, torch.float32, torch_device) if tune_steps > 0 else None
+            targets = tuning_targets(decoder, sequences) if tune_steps > 0 else None  # the float model's
             awq_calibrate(decoder, sequences, group_size, clip)
             grids = int4_gptq_calibrate(decoder, sequences, group_size)
-            if teacher is not None:
-                tune_end_to_end(decoder, teacher, sequences, grids, group_size, tune_steps)
-                del teacher
+            if targets is not None:
+                tune_end_to_end(decoder, targets, grids, group_size, tune_steps)
+                del targets
         else:
             fp8_gptq_calibrate(decoder, sequences)
     head = None

@@ -21,7 +21,7 @@ from engine.models.llama import DecoderModel
 from engine.offline import prompt_logits
 from engine.quantize import (
     TUNE_HELD_OUT, _kl, _next_token_logprobs, awq_calibrate, calibration_sequences, default_group_size, gptq_round,
-    int4_gptq, int4_gptq_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end,
+    int4_gptq, int4_gptq_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end, tuning_targets,
 )
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -417,18 +417,20 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     levels = {m: torch.round(m.weight / s.repeat_interleave(32, 1)) for m, (s, _z) in grids.items()}
     zeros = {m: z.clone() for m, (_s, z) in grids.items()}
     norm = model.norm.detach().clone()
+    targets = tuning_targets(teacher, sequences)
     tokens = [t for seq in sequences for t in seq]
     held = [tokens[int(len(tokens) * (1 - TUNE_HELD_OUT)):]]
+    assert targets.held == held and sum(map(len, targets.tune)) + len(held[0]) == len(tokens)
 
     def held_out_kl() -> float:
         with torch.no_grad():
             return _kl(_next_token_logprobs(teacher, held), _next_token_logprobs(model, held)).item()
 
     before = held_out_kl()
-    tune_end_to_end(model, teacher, sequences, grids, 32, steps=0)
+    tune_end_to_end(model, targets, grids, 32, steps=0)
     assert held_out_kl() == before
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tune_end_to_end(model, teacher, sequences, grids, 32, steps=10)
+    tune_end_to_end(model, targets, grids, 32, steps=10)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert held_out_kl() < before
     assert not torch.equal(model.norm, norm)
