@@ -412,7 +412,7 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     torch references."""
     teacher = load_model(tiny_with_tokenizer, torch.float32, CPU)
     model = load_model(tiny_with_tokenizer, torch.float32, CPU)
-    sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 512)
+    sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 2048)
     grids = int4_gptq_calibrate(model, sequences, 32)
     levels = {m: torch.round(m.weight / s.repeat_interleave(32, 1)) for m, (s, _z) in grids.items()}
     zeros = {m: z.clone() for m, (_s, z) in grids.items()}
