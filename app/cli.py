@@ -9,7 +9,7 @@ import sys
 from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.quantize import METHODS, TUNE_STEPS, quantize_checkpoint
+from engine.quantize import CALIBRATION_TOKENS, METHODS, TUNE_STEPS, quantize_checkpoint
 from engine.sampling_params import SamplingParams
 
 
@@ -62,7 +62,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         help="int4: quantize lm_head too (quantization_config lm_head: true; AutoAWQ keeps it float, "
                              "so other servers may not load the result; at batch 1 on a 1B model it is half the "
                              "bytes a step reads)")
-    parser.add_argument("--calibration-tokens", type=int, default=2048,
+    parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
                         help="tokens of the shipped calibration text awq and fp8-gptq run through the model (default: all of it, ~1,700)")
     parser.add_argument("--tune-steps", type=int, default=TUNE_STEPS,
                         help=f"awq: most steps of the end-to-end tuning of the scales and norm weights against the "

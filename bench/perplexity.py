@@ -37,7 +37,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_store import DEFAULT_DIR_NAME, resolve_model  # noqa: E402
 from engine.models.llama import DecoderModel  # noqa: E402
 from engine.offline import sequence_logprobs  # noqa: E402
-from engine.quantize import quantize_checkpoint  # noqa: E402
+from engine.quantize import CALIBRATION_TOKENS, quantize_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench" / "data" / "eval.txt"
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES), help="dtype of the quantized systems")
     p.add_argument("--group-size", type=int, default=None, help="int4 group size (default: engine/quantize.py's)")
-    p.add_argument("--calibration-tokens", type=int, default=2048, help="AWQ and GPTQ calibration tokens")
+    p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, help="AWQ and GPTQ calibration tokens")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<device>-perplexity.json)")

@@ -31,8 +31,9 @@ scale = (max - min) / 15, an integer zero point in 0..15, each weight rounded to
        quantized layers' output.
 
 With --lm-head (int4 only), lm_head is quantized as well, on the final hidden states (awq: clipping
-searched, then GPTQ; rtn: to nearest), written as `lm_head.qweight/.qzeros/.scales` with `lm_head:
-true` in quantization_config (GPTQ's key; AutoAWQ keeps lm_head float). A tied embedding stays float.
+searched, then GPTQ, before the end-to-end tuning, which tunes its scales with the others; rtn: to
+nearest), written as `lm_head.qweight/.qzeros/.scales` with `lm_head: true` in quantization_config
+(GPTQ's key; AutoAWQ keeps lm_head float). A tied embedding stays float.
 
 The output directory holds model.safetensors (int4: `<proj>.qweight/.qzeros/.scales` like AutoAWQ,
 the rest in float16; FP8: `<proj>.weight` in float8_e4m3fn with `<proj>.weight_scale` [N, 1], the rest
@@ -71,6 +72,7 @@ log = logging.getLogger("minillm.quantize")
 METHODS = ("awq", "rtn", "fp8-gptq")
 INT4_METHODS = ("awq", "rtn")
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration of Independence
+CALIBRATION_TOKENS = 2048  # the default: all of it (1,705 tokens for SmolLM2)
 CALIBRATION_SEQ_LEN = 512
 MAX_Q = 15  # 4 bits
 GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
@@ -407,17 +409,23 @@ def lm_head_weight(model: DecoderModel) -> torch.Tensor:
 
 
 @torch.no_grad()
-def int4_lm_head_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int) -> tuple[torch.Tensor, Grid]:
+def int4_lm_head_calibrate(model: DecoderModel, sequences: list[list[int]], group_size: int
+                           ) -> tuple[torch.nn.Linear, Grid]:
     """lm_head's weight rounded onto int4 grids as the decoder layers' are (clipping searched, then
     GPTQ), fed the final hidden states of the already quantized decoder on the calibration text:
-    (the rounded weight [V, H], its grids). The model is left as it is (a tied embedding stays float)."""
+    (the model's lm_head now holding the rounded weight [V, H], its grids). A tied embedding stays
+    float: the model gets an lm_head of its own."""
     batch = pack_sequences(model, sequences)
     with _flush_denormals():
         x = model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta).float()
         weight = lm_head_weight(model).float().clone()
         _clip(weight, *_search_clip(x, weight, group_size), group_size)
         rounded, scale, zero = int4_gptq(weight, x, group_size)
-    return rounded, (scale, zero)
+    if model.lm_head is None:
+        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype,
+                                        device=weight.device)
+    model.lm_head.weight.copy_(rounded)
+    return model.lm_head, (scale, zero)
 
 
 def fp8_gptq_calibrate(model: DecoderModel, sequences: list[list[int]]) -> None:
@@ -440,9 +448,20 @@ def _next_token_logprobs(model: DecoderModel, sequences: list[list[int]],
     the model's own parameters."""
     batch = pack_sequences(model, sequences)
     args = (batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
+    overrides = {f"model.{name}": t for name, t in (overrides or {}).items()}
     with reference_kernels():  # autograd's path; the Triton kernels have no backward
-        hidden = torch.func.functional_call(model, overrides or {}, args)
-        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+        return torch.log_softmax(torch.func.functional_call(_Logits(model), overrides, args), dim=-1)
+
+
+class _Logits(torch.nn.Module):
+    """The decoder with compute_logits in its forward, so that functional_call's overrides reach lm_head too."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: object) -> torch.Tensor:
+        return self.model.compute_logits(self.model(*args))
 
 
 def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -604,7 +623,7 @@ def awq_quantization_config(group_size: int, lm_head: bool = False) -> dict:
 
 
 def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_size: int | None = None,
-                        calibration_tokens: int = 2048, device: str = "auto", clip: bool = True,
+                        calibration_tokens: int = CALIBRATION_TOKENS, device: str = "auto", clip: bool = True,
                         lm_head: bool = False, tune_steps: int = TUNE_STEPS) -> Path:
     """Quantize a float checkpoint directory ("default": the embedded model) into `out`, which must
     not exist or be empty. Returns `out`. group_size is int4's (fp8-gptq has none); lm_head: int4
@@ -642,6 +661,8 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
             targets = tuning_targets(decoder, sequences) if tune_steps > 0 else None  # the float model's
             awq_calibrate(decoder, sequences, group_size, clip)
             grids = int4_gptq_calibrate(decoder, sequences, group_size)
+            if lm_head:  # before the tuning, which then tunes its scales too
+                head_module, grids[head_module] = int4_lm_head_calibrate(decoder, sequences, group_size)
             if targets is not None:
                 tune_end_to_end(decoder, targets, grids, group_size, tune_steps)
                 del targets
@@ -649,7 +670,7 @@ def quantize_checkpoint(model: str, out: str | Path, method: str = "awq", group_
             fp8_gptq_calibrate(decoder, sequences)
     head = None
     if lm_head:
-        head = int4_lm_head_calibrate(decoder, sequences, group_size) if method == "awq" else (lm_head_weight(decoder), None)
+        head = (decoder.lm_head.weight, grids[decoder.lm_head]) if method == "awq" else (lm_head_weight(decoder), None)
     hf_config = json.loads((src / "config.json").read_text())
     if method in INT4_METHODS:
         tensors = export_awq(decoder, group_size, grids, head)

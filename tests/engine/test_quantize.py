@@ -21,7 +21,8 @@ from engine.models.llama import DecoderModel
 from engine.offline import prompt_logits
 from engine.quantize import (
     TUNE_HELD_OUT, _kl, _next_token_logprobs, awq_calibrate, calibration_sequences, default_group_size, gptq_round,
-    int4_gptq, int4_gptq_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end, tuning_targets,
+    int4_gptq, int4_gptq_calibrate, int4_lm_head_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end,
+    tuning_targets,
 )
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -414,8 +415,11 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     model = load_model(tiny_with_tokenizer, torch.float32, CPU)
     sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 2048)
     grids = int4_gptq_calibrate(model, sequences, 32)
+    head, grids[head] = int4_lm_head_calibrate(model, sequences, 32)  # --lm-head: tuned with the rest
+    assert model.lm_head is head and model.embed_tokens.weight.data_ptr() != head.weight.data_ptr()
     levels = {m: torch.round(m.weight / s.repeat_interleave(32, 1)) for m, (s, _z) in grids.items()}
     zeros = {m: z.clone() for m, (_s, z) in grids.items()}
+    head_scale = grids[head][0].clone()
     norm = model.norm.detach().clone()
     targets = tuning_targets(teacher, sequences)
     tokens = [t for seq in sequences for t in seq]
@@ -433,7 +437,7 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     tune_end_to_end(model, targets, grids, 32, steps=10)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert held_out_kl() < before
-    assert not torch.equal(model.norm, norm)
+    assert not torch.equal(model.norm, norm) and not torch.equal(grids[head][0], head_scale)
     for module, (scale, zero) in grids.items():
         assert torch.equal(scale, scale.half().float()) and (scale > 0).all() and torch.equal(zero, zeros[module])
         step = scale.repeat_interleave(32, 1)
