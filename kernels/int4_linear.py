@@ -277,6 +277,47 @@ ONE_BITS = 0x3F800000
 
 
 @triton.jit
+def _stream_step(w_tile, z_rows, s_rows, row_ok, c0, w_end, BLOCK_W: tl.constexpr, WPG: tl.constexpr):
+    """The stream kernel's loads for words c0 .. c0 + BLOCK_W of its rows: the words [ROWS, BLOCK_W]
+    (w_tile: the pointers of the first step's, one contiguous run a row, so that Triton gives each
+    thread 4 adjacent words of 8 rows) and the groups' zero points and scales [ROWS, BLOCK_W / WPG];
+    zeros past w_end."""
+    cols = c0 + tl.arange(0, BLOCK_W)
+    p = tl.load(w_tile + c0, mask=row_ok[:, None] & (cols < w_end)[None, :], other=0)
+    g = c0 // WPG + tl.arange(0, BLOCK_W // WPG)
+    ok = row_ok[:, None] & (g < w_end // WPG)[None, :]
+    z = tl.load(z_rows + g[None, :], mask=ok, other=0.0)
+    s = tl.load(s_rows + g[None, :], mask=ok, other=0.0)
+    return p, z, s
+
+
+@triton.jit
+def _word_inputs(x_ptr, cols, ok, BLOCK_W: tl.constexpr):
+    """x at k = 8c + j for the words c [BLOCK_W], read as one contiguous [BLOCK_W, 8] run and split
+    in registers: the even (j = 2i) and odd (j = 2i + 1) inputs for i = 0..3, eight [BLOCK_W]
+    tensors in float32 (fewer instructions than eight strided 2-byte loads)."""
+    xs = tl.load(x_ptr + (cols * 8)[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(xs.to(tl.float32), [BLOCK_W, 4, 2]))
+    e02, e13 = tl.split(tl.reshape(even, [BLOCK_W, 2, 2]))
+    o02, o13 = tl.split(tl.reshape(odd, [BLOCK_W, 2, 2]))
+    e0, e2 = tl.split(e02)
+    e1, e3 = tl.split(e13)
+    o0, o2 = tl.split(o02)
+    o1, o3 = tl.split(o13)
+    return e0, o0, e1, o1, e2, o2, e3, o3
+
+
+@triton.jit
+def _add_nibble_pair(sums, t, one_bits, x_even, x_odd):
+    """sums plus the products of the nibble pair that `t` (a shifted word) holds at mantissa bits 15
+    and 19 with its inputs: (1 + q * 2**-8) * 16 x_even + (1 + q' * 2**-4) * x_odd, one lop3 and one
+    FMA each (see the stream kernel)."""
+    sums += ((t & 0x78000) | one_bits).to(tl.float32, bitcast=True) * (x_even * 16.0)[None, :]
+    sums += ((t & 0x780000) | one_bits).to(tl.float32, bitcast=True) * x_odd[None, :]
+    return sums
+
+
+@triton.jit
 def _int4_stream_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
     words_per_split, one_bits, in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
@@ -290,50 +331,46 @@ def _int4_stream_gemv_kernel(
     1 + q * 2**-4 (k odd), and one FMA each multiplies it by x * 16 (even) or x (odd): 2.5
     instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
     16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
-    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). SILU_MUL: the weight is a merged
-    gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row). NORM_IN: x is a
-    NormScale's row, whose factor scales the outputs; ADD_NORM: the add-norm epilogue (store_add_norm)."""
+    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). A step's words are one [ROWS, BLOCK_W]
+    tile and x one contiguous run, so that each thread holds 4 adjacent words of 8 rows (each x
+    value serves 8 rows) whatever the group size and Triton version: over [ROWS, groups, words]
+    tiles Triton 3.6 (the GPU machine's) gave a thread 2 rows of 4 groups at group size 128 and 1
+    row at 32, and the loop took 1,235 and 1,608 instructions a step of 256 weights a thread,
+    against 1,005 and 1,048 now (bench/sass_count.py; Triton 3.7: 982 and 994 then, 965 and 1,011
+    now). SILU_MUL: the weight is a merged gate/up [N, K]
+    and the output SiLU(gate) * up [N / 2] (store_one_row). NORM_IN: x is a NormScale's row, whose
+    factor scales the outputs; ADD_NORM: the add-norm epilogue (store_add_norm)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
     rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
-    g_end = tl.minimum(w_begin + words_per_split, K // 8) // WPG
-    gs = tl.arange(0, GPS)
-    words = gs[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GPS, WPG], from the step's first
-    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
+    # Split ends are whole groups (GROUP divides K, and words_per_split is whole steps): telling
+    # Triton keeps the word masks constant over 4 words, so the loads stay 16 bytes wide.
+    w_end = tl.multiple_of(tl.minimum(w_begin + words_per_split, K // 8), WPG)
+    w_tile = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.arange(0, BLOCK_W)[None, :]
     z_rows = zeros_ptr + rows.to(tl.int64)[:, None] * stride_g
     s_rows = scales_ptr + rows.to(tl.int64)[:, None] * stride_g
     # Weights are never written, so the first step's may be read before the previous kernel ends;
     # each step loads the next one's before its math.
-    p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, w_begin // WPG + gs, g_end, WPG)
+    p, z, s = _stream_step(w_tile, z_rows, s_rows, row_ok, w_begin, w_end, BLOCK_W, WPG)
     if ADD_NORM:
         bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     acc = tl.zeros([ROWS, GPS], dtype=tl.float32)
-    for c0 in range(w_begin, g_end * WPG, BLOCK_W):
-        g = c0 // WPG + gs
-        p_next, z_next, s_next = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g + GPS, g_end, WPG)
-        g_ok = g < g_end
-        k8 = (c0 + words) * 8
-        sums = tl.zeros([ROWS, GPS, WPG], dtype=tl.float32)
-        x_even = tl.zeros([GPS, WPG], dtype=tl.float32)
-        x_odd = tl.zeros([GPS, WPG], dtype=tl.float32)
-        for i in tl.static_range(4):
-            x0 = tl.load(x_ptr + k8 + 2 * i, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + k8 + 2 * i + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            if i < 2:  # nibble 2i (bits 8i..8i+3) to bit 15, nibble 2i + 1 to bit 19
-                t = p << (15 - 8 * i)
-            else:
-                t = p >> (8 * i - 15)
-            sums += ((t & 0x78000) | one_bits).to(tl.float32, bitcast=True) * (x0 * 16.0)[None, :, :]
-            sums += ((t & 0x780000) | one_bits).to(tl.float32, bitcast=True) * x1[None, :, :]
-            x_even += x0
-            x_odd += x1
-        e = tl.sum(x_even, axis=1)
-        o = tl.sum(x_odd, axis=1)
-        qx = tl.sum(sums, axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
+    for c0 in range(w_begin, w_end, BLOCK_W):
+        p_next, z_next, s_next = _stream_step(w_tile, z_rows, s_rows, row_ok, c0 + BLOCK_W, w_end, BLOCK_W, WPG)
+        cols = c0 + tl.arange(0, BLOCK_W)
+        e0, o0, e1, o1, e2, o2, e3, o3 = _word_inputs(x_ptr, cols, cols < w_end, BLOCK_W)
+        # Nibbles 2i and 2i + 1 (bits 8i..8i+7) to bits 15 and 19.
+        sums = _add_nibble_pair(tl.zeros([ROWS, BLOCK_W], dtype=tl.float32), p << 15, one_bits, e0, o0)
+        sums = _add_nibble_pair(sums, p << 7, one_bits, e1, o1)
+        sums = _add_nibble_pair(sums, p >> 1, one_bits, e2, o2)
+        sums = _add_nibble_pair(sums, p >> 9, one_bits, e3, o3)
+        e = tl.sum(tl.reshape(e0 + e1 + e2 + e3, [GPS, WPG]), axis=1)
+        o = tl.sum(tl.reshape(o0 + o1 + o2 + o3, [GPS, WPG]), axis=1)
+        qx = tl.sum(tl.reshape(sums, [ROWS, GPS, WPG]), axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1) * 16.0

@@ -1,0 +1,115 @@
+"""What the INT4 stream GEMV compiles to for the H200 (sm_90), without a GPU: the installed Triton
+compiles the kernel for compute capability 9.0 with the bundled ptxas, cuobjdump disassembles it,
+and the loop (the longest backward branch) is counted. Instructions a weight = the loop's count
+over the weights one thread reads a step. Not a timing: the GPU machine's Triton (3.6) may lay the
+kernel out otherwise than another version does (see kernels/int4_linear.py's stream kernel), so
+compare with PYTHONPATH pointing at the same Triton version as the GPU's.
+
+    python bench/sass_count.py                       # group sizes 32 and 128, plain / SiLU·up / add-norm
+    PYTHONPATH=/tmp/triton36 python bench/sass_count.py --group-sizes 128
+    python bench/sass_count.py --json counts.json   # the counts as JSON too
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.int4_linear import _int4_stream_gemv_kernel, stream_gemv_config  # noqa: E402
+
+# The kernel's arguments as the decode step passes them: bf16 activations, pointers and the integer
+# arguments divisible by 16, which Triton's launcher specializes on as it does at run time.
+SIGNATURE = {
+    "x_ptr": "*bf16", "w_ptr": "*i32", "zeros_ptr": "*fp16", "scales_ptr": "*fp16", "bias_ptr": "*bf16",
+    "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_w": "i32",
+    "stride_g": "i32", "words_per_split": "i32", "one_bits": "i32", "in_sumsq_ptr": "*fp32", "in_parts": "i32",
+    "eps": "fp32", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16", "sumsq_ptr": "*fp32",
+}
+NOT_DIVISIBLE = {"in_parts", "eps"}
+VARIANTS = {"plain": {}, "silu-mul": {"SILU_MUL": True}, "add-norm": {"ADD_NORM": True, "SPLIT_K": 8}}
+_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+
+
+@dataclass
+class Count:
+    loop: int  # instructions in the loop
+    weights: int  # weights one thread reads a step
+    registers: int
+    mix: list[tuple[str, int]]  # the loop's most frequent opcodes
+
+    @property
+    def per_weight(self) -> float:
+        return self.loop / self.weights
+
+
+def _cuobjdump(*args: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def loop_of(sass: str) -> list[str]:
+    """The opcodes of the longest loop in a cuobjdump -sass listing (a branch back to an earlier address)."""
+    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTRUCTION.match(line))]
+    best = (0, 0)
+    for addr, op, line in code:
+        target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            best = max(best, (start, addr), key=lambda span: span[1] - span[0])
+    return [op for addr, op, _ in code if best[0] <= addr <= best[1]]
+
+
+def count(group_size: int, constants: dict[str, object]) -> Count:
+    cfg = stream_gemv_config(group_size)
+    constexprs = dict(HAS_BIAS=False, GROUP=group_size, ROWS=cfg["ROWS"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=1,
+                      SILU_MUL=False, NORM_IN=False, ADD_NORM=False, PDL=True) | constants
+    signature = SIGNATURE | {name: "constexpr" for name in constexprs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(SIGNATURE) if name not in NOT_DIVISIBLE}
+    kernel = triton.compile(ASTSource(fn=_int4_stream_gemv_kernel, signature=signature, constexprs=constexprs,
+                                      attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        ops = loop_of(_cuobjdump("-sass", cubin))
+        registers = int(re.search(r"REG:(\d+)", _cuobjdump("-res-usage", cubin)).group(1))
+    weights = cfg["ROWS"] * cfg["BLOCK_W"] * 8 // (32 * cfg["num_warps"])
+    mix = collections.Counter(op.split(".")[0] for op in ops).most_common(6)
+    return Count(len(ops), weights, registers, mix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--group-sizes", type=lambda s: [int(g) for g in s.split(",")], default=[32, 128])
+    p.add_argument("--json", type=Path, help="also write the counts here")
+    args = p.parse_args(argv)
+    rows = []
+    print(f"triton {triton.__version__}, sm_90\n")
+    print("| group size | variant | loop instructions | weights a thread a step | per weight | registers | most frequent |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for group_size in args.group_sizes:
+        for name, constants in VARIANTS.items():
+            c = count(group_size, constants)
+            rows.append({"group_size": group_size, "variant": name, "triton": triton.__version__} | asdict(c))
+            mix = ", ".join(f"{op} {n}" for op, n in c.mix)
+            print(f"| {group_size} | {name} | {c.loop} | {c.weights} | {c.per_weight:.2f} | {c.registers} | {mix} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
