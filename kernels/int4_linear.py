@@ -308,11 +308,11 @@ def _word_inputs(x_ptr, cols, ok, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _add_nibble_pair(sums, t, one_bits, x_even, x_odd):
+def _add_nibble_pair(sums, t, one_bits, sixteen_bits, x_even, x_odd):
     """sums plus the products of the nibble pair that `t` (a shifted word) holds at mantissa bits 15
-    and 19 with its inputs: (1 + q * 2**-8) * 16 x_even + (1 + q' * 2**-4) * x_odd, one lop3 and one
+    and 19 with its inputs: (16 + q * 2**-4) * x_even + (1 + q' * 2**-4) * x_odd, one lop3 and one
     FMA each (see the stream kernel)."""
-    sums += ((t & 0x78000) | one_bits).to(tl.float32, bitcast=True) * (x_even * 16.0)[None, :]
+    sums += ((t & 0x78000) | sixteen_bits).to(tl.float32, bitcast=True) * x_even[None, :]
     sums += ((t & 0x780000) | one_bits).to(tl.float32, bitcast=True) * x_odd[None, :]
     return sums
 
@@ -327,19 +327,19 @@ def _int4_stream_gemv_kernel(
     """One row of x against ROWS weight rows, BLOCK_W words of each per step (whole groups; split
     along K when the rows alone leave SMs idle). No int-to-float conversion: one shift brings two
     nibbles of a word (k = 8c + 2i and 8c + 2i + 1) to mantissa bits 15 and 19, one lop3 each masks
-    one and ORs in the exponent of 1.0, so the float32 reads 1 + q * 2**-8 (k even) or
-    1 + q * 2**-4 (k odd), and one FMA each multiplies it by x * 16 (even) or x (odd): 2.5
-    instructions a weight, with the 1s summing to 16 * x_even + x_odd. Per group, q . x =
-    16 * (sum - that) and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about
-    2**-20 of sum |x| (bfloat16 rounds the output to 2**-9). A step's words are one [ROWS, BLOCK_W]
-    tile and x one contiguous run, so that each thread holds 4 adjacent words of 8 rows (each x
-    value serves 8 rows) whatever the group size and Triton version: over [ROWS, groups, words]
-    tiles Triton 3.6 (the GPU machine's) gave a thread 2 rows of 4 groups at group size 128 and 1
-    row at 32, and the loop took 1,235 and 1,608 instructions a step of 256 weights a thread,
-    against 1,005 and 1,048 now (bench/sass_count.py; Triton 3.7: 982 and 994 then, 965 and 1,011
-    now). SILU_MUL: the weight is a merged gate/up [N, K]
-    and the output SiLU(gate) * up [N / 2] (store_one_row). NORM_IN: x is a NormScale's row, whose
-    factor scales the outputs; ADD_NORM: the add-norm epilogue (store_add_norm)."""
+    one and ORs in an exponent, of 16.0 for k even and 1.0 for k odd, so the float32 reads
+    16 + q * 2**-4 or 1 + q * 2**-4, and one FMA each multiplies it by x: 2.5 instructions a
+    weight, with the constants summing to 16 * x_even + x_odd. Per group, q . x = 16 * (sum - that)
+    and y += s * (q . x - z * sum(x)). The float32 sum keeps q . x to about 2**-20 of sum |x|
+    (bfloat16 rounds the output to 2**-9). A step's words are one [ROWS, BLOCK_W] tile and x one
+    contiguous run, so that each thread holds 4 adjacent words of 8 rows (each x value serves 8
+    rows) whatever the group size and Triton version: over [ROWS, groups, words] tiles Triton 3.6
+    (the GPU machine's) gave a thread 2 rows of 4 groups at group size 128 and 1 row at 32, and the
+    loop took 1,235 and 1,608 instructions a step of 256 weights a thread, against 999 and 1,037
+    now (bench/sass_count.py; Triton 3.7: 982 and 994 then, 965 and 1,003 now). SILU_MUL: the
+    weight is a merged gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row).
+    NORM_IN: x is a NormScale's row, whose factor scales the outputs; ADD_NORM: the add-norm
+    epilogue (store_add_norm)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
     rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
@@ -358,16 +358,17 @@ def _int4_stream_gemv_kernel(
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    sixteen_bits = one_bits + 0x2000000  # the exponent of 16.0: even nibbles read 16 + q / 16
     acc = tl.zeros([ROWS, GPS], dtype=tl.float32)
     for c0 in range(w_begin, w_end, BLOCK_W):
         p_next, z_next, s_next = _stream_step(w_tile, z_rows, s_rows, row_ok, c0 + BLOCK_W, w_end, BLOCK_W, WPG)
         cols = c0 + tl.arange(0, BLOCK_W)
         e0, o0, e1, o1, e2, o2, e3, o3 = _word_inputs(x_ptr, cols, cols < w_end, BLOCK_W)
         # Nibbles 2i and 2i + 1 (bits 8i..8i+7) to bits 15 and 19.
-        sums = _add_nibble_pair(tl.zeros([ROWS, BLOCK_W], dtype=tl.float32), p << 15, one_bits, e0, o0)
-        sums = _add_nibble_pair(sums, p << 7, one_bits, e1, o1)
-        sums = _add_nibble_pair(sums, p >> 1, one_bits, e2, o2)
-        sums = _add_nibble_pair(sums, p >> 9, one_bits, e3, o3)
+        sums = _add_nibble_pair(tl.zeros([ROWS, BLOCK_W], dtype=tl.float32), p << 15, one_bits, sixteen_bits, e0, o0)
+        sums = _add_nibble_pair(sums, p << 7, one_bits, sixteen_bits, e1, o1)
+        sums = _add_nibble_pair(sums, p >> 1, one_bits, sixteen_bits, e2, o2)
+        sums = _add_nibble_pair(sums, p >> 9, one_bits, sixteen_bits, e3, o3)
         e = tl.sum(tl.reshape(e0 + e1 + e2 + e3, [GPS, WPG]), axis=1)
         o = tl.sum(tl.reshape(o0 + o1 + o2 + o3, [GPS, WPG]), axis=1)
         qx = tl.sum(tl.reshape(sums, [ROWS, GPS, WPG]), axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
