@@ -9,6 +9,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee 
 timeout 240 python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
 echo "tests/gpu: rc=$? $(tail -1 "$OUT/tests.log")"
 grep -E "identical|not a benchmark" "$OUT/tests.log"
+if [ -n "${ONE_ROW:-}" ]; then  # the INT4 one-row kernels' tilings (bench/quant_kernels.py --int4-one-row)
+  timeout 120 python3 bench/quant_kernels.py --int4-one-row > "$OUT/one_row.log" 2>&1
+  grep -E "^\|" "$OUT/one_row.log"
+fi
 if [ -z "${SKIP_PROFILE:-}" ]; then
   timeout 150 python3 bench/profile_step.py --batches 1 8 64 --host-profile > "$OUT/profile.log" 2>&1
   grep -E "^batch" "$OUT/profile.log"

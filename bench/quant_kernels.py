@@ -2,6 +2,13 @@
 projection shapes, at decode row counts (M = 1 and 8).
 
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
+    python3 bench/quant_kernels.py --int4-one-row   # the INT4 one-row kernels' tilings, as decode calls them
+
+With --int4-one-row, each projection runs as batch-1 decode calls it (QKV and gate/up scaling by
+the norm factor, gate/up storing SiLU·up, O and down ending in the add-norm epilogue) through the
+latency GEMV and through the stream GEMV at several tilings, 16 calls in a CUDA graph with
+programmatic dependent launch, µs a call (median of 20 replays): what STREAM_WEIGHTS and
+stream_gemv_config are chosen by.
 
 Each figure is the median of 50 CUDA-event timings of one call (after warm-up; the host's launch
 time is kept out by a sleep kernel queued first), with L2 flushed before each call so that the weights come from HBM as they do in a decode step. Effective GB/s is
@@ -10,6 +17,8 @@ the bytes the call must move (the weight with its scales and zeros, x and y) ove
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import statistics
 import sys
 from collections.abc import Callable
@@ -20,14 +29,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels import int4_linear as int4_module  # noqa: E402
+from kernels.dispatch import programmatic_launches  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
-from kernels.int4_linear import int4_linear, pack_int4  # noqa: E402
+from kernels.int4_linear import int4_linear, int4_linear_add_norm, pack_int4  # noqa: E402
+from kernels.rmsnorm import NormScale  # noqa: E402
 
 # (K, N) of Llama-3.2-1B's merged QKV, O, merged gate/up and down projections.
 SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}
 ROWS = (1, 8)
 REPS = 50
 GROUP_SIZE = 128
+# The one-row tilings timed by --int4-one-row: "latency" (_int4_gemv_kernel as latency_gemv_config
+# sets it), or the stream GEMV with (rows a program, words a step, warps).
+ONE_ROW_TILINGS = ("latency", (16, 64, 1), (16, 32, 1), (32, 32, 1), (16, 64, 2), (8, 128, 2), (8, 256, 4),
+                   (4, 256, 4))
 
 
 def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
@@ -44,9 +60,85 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
 
 
+@contextlib.contextmanager
+def one_row_tiling(tiling: str | tuple[int, int, int]):
+    """The INT4 one-row path on one kernel and tiling for a while, whatever the weight's size."""
+    saved = int4_module.STREAM_WEIGHTS, int4_module.stream_gemv_config
+    if tiling == "latency":
+        int4_module.STREAM_WEIGHTS = 1 << 62
+    else:
+        rows, words, warps = tiling
+        int4_module.STREAM_WEIGHTS = 0
+        int4_module.stream_gemv_config = lambda group_size: dict(ROWS=rows, BLOCK_W=max(words, group_size // 8),
+                                                                 num_warps=warps, num_stages=1)
+    try:
+        yield
+    finally:
+        int4_module.STREAM_WEIGHTS, int4_module.stream_gemv_config = saved
+
+
+def graph_us(fn, calls: int = 16, reps: int = 20) -> float:
+    """µs a call of fn, `calls` of them in a CUDA graph captured with PDL; median of `reps` replays."""
+    with programmatic_launches():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def one_row_tilings() -> None:
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
+          f"(16 in a CUDA graph with PDL, median of 20 replays); group {GROUP_SIZE}\n")
+    labels = ["latency" if t == "latency" else "stream {}x{}x{}".format(*t) for t in ONE_ROW_TILINGS]
+    print("| projection (K x N) | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for name, (k, n) in SHAPES.items():
+        groups = k // GROUP_SIZE
+        weight = (pack_int4(torch.randint(0, 16, (n, k), device="cuda")),
+                  torch.randint(0, 16, (n, groups), device="cuda").half(),
+                  torch.full((n, groups), 0.3 * k**-0.5, device="cuda", dtype=torch.float16))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        norm_in = NormScale(torch.rand(64, device="cuda") * k, 1e-5)
+        residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+        if name in ("o", "down"):  # they end in the add-norm epilogue
+            def call() -> torch.Tensor:
+                return int4_linear_add_norm(x, *weight, GROUP_SIZE, None, residual, norm_w, 1e-5)[0]
+        else:
+            def call(silu: bool = name == "gate_up") -> torch.Tensor:
+                return int4_linear(x, *weight, GROUP_SIZE, silu_mul=silu, norm_in=norm_in)
+        cells, first = [], None
+        for tiling in ONE_ROW_TILINGS:
+            with one_row_tiling(tiling):
+                out = call().float()
+                first = out if first is None else first
+                agrees = (out - first).norm() <= 1e-2 * first.norm()  # against the first tiling's output
+                cells.append(f"{graph_us(call):.2f}" + ("" if agrees else " (differs!)"))
+        print(f"| {name} ({k} x {n}) | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--int4-one-row", action="store_true", help="time the INT4 one-row kernels' tilings instead")
+    args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/quant_kernels.py needs a CUDA GPU")
+    if args.int4_one_row:
+        one_row_tilings()
+        return
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than any L2
     print(f"{torch.cuda.get_device_name()}: µs (effective GB/s), median of {REPS}, L2 flushed; "
