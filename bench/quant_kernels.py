@@ -41,9 +41,11 @@ ROWS = (1, 8)
 REPS = 50
 GROUP_SIZE = 128
 # The one-row tilings timed by --int4-one-row: "latency" (_int4_gemv_kernel as latency_gemv_config
-# sets it), or the stream GEMV with (rows a program, words a step, warps).
-ONE_ROW_TILINGS = ("latency", (16, 64, 1), (16, 32, 1), (32, 32, 1), (16, 64, 2), (8, 128, 2), (8, 256, 4),
-                   (4, 256, 4))
+# sets it), or the stream GEMV with (rows a program, words a step, warps, register cap or 0). With
+# 168 registers (ptxas' cap; 254 without) 12 one-warp programs fit an SM instead of 8, with no
+# spills in the loop at group size 128 (bench/sass_count.py's compile, Triton 3.6).
+ONE_ROW_TILINGS = ("latency", (16, 64, 1, 0), (16, 64, 1, 168), (16, 32, 1, 0), (32, 32, 1, 0), (16, 64, 2, 0),
+                   (8, 128, 2, 0), (8, 256, 4, 0), (4, 256, 4, 0))
 
 
 def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
@@ -61,16 +63,17 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def one_row_tiling(tiling: str | tuple[int, int, int]):
+def one_row_tiling(tiling: str | tuple[int, int, int, int]):
     """The INT4 one-row path on one kernel and tiling for a while, whatever the weight's size."""
     saved = int4_module.STREAM_WEIGHTS, int4_module.stream_gemv_config
     if tiling == "latency":
         int4_module.STREAM_WEIGHTS = 1 << 62
     else:
-        rows, words, warps = tiling
+        rows, words, warps, maxnreg = tiling
         int4_module.STREAM_WEIGHTS = 0
-        int4_module.stream_gemv_config = lambda group_size: dict(ROWS=rows, BLOCK_W=max(words, group_size // 8),
-                                                                 num_warps=warps, num_stages=1)
+        int4_module.stream_gemv_config = lambda group_size: dict(
+            ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1,
+            **({"maxnreg": maxnreg} if maxnreg else {}))
     try:
         yield
     finally:
@@ -102,7 +105,8 @@ def one_row_tilings() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
           f"(16 in a CUDA graph with PDL, median of 20 replays); group {GROUP_SIZE}\n")
-    labels = ["latency" if t == "latency" else "stream {}x{}x{}".format(*t) for t in ONE_ROW_TILINGS]
+    labels = ["latency" if t == "latency" else "stream {}x{}x{}".format(*t[:3]) + (f" ≤{t[3]} reg" if t[3] else "")
+              for t in ONE_ROW_TILINGS]
     print("| projection (K x N) | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for name, (k, n) in SHAPES.items():
