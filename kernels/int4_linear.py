@@ -279,9 +279,9 @@ ONE_BITS = 0x3F800000
 @triton.jit
 def _stream_step(w_tile, z_rows, s_rows, row_ok, c0, w_end, BLOCK_W: tl.constexpr, WPG: tl.constexpr):
     """The stream kernel's loads for words c0 .. c0 + BLOCK_W of its rows: the words [ROWS, BLOCK_W]
-    (w_tile: the pointers of the first step's, one contiguous run a row, so that Triton gives each
-    thread 4 adjacent words of 8 rows) and the groups' zero points and scales [ROWS, BLOCK_W / WPG];
-    zeros past w_end."""
+    (w_tile: the pointers of each row's words 0 .. BLOCK_W, one contiguous run a row, so that Triton
+    gives each thread 4 adjacent words of 8 rows) and the groups' zero points and scales
+    [ROWS, BLOCK_W / WPG]; zeros past w_end."""
     cols = c0 + tl.arange(0, BLOCK_W)
     p = tl.load(w_tile + c0, mask=row_ok[:, None] & (cols < w_end)[None, :], other=0)
     g = c0 // WPG + tl.arange(0, BLOCK_W // WPG)
