@@ -2,11 +2,11 @@
 projection shapes, at decode row counts (M = 1 and 8).
 
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
-    python3 bench/quant_kernels.py --int4-one-row   # the INT4 one-row kernels' tilings, as decode calls them
+    python3 bench/quant_kernels.py --int4-one-row   # the INT4 stream GEMV's tilings, as decode calls it
 
 With --int4-one-row, each projection runs as batch-1 decode calls it (QKV and gate/up scaling by
 the norm factor, gate/up storing SiLU·up, O and down ending in the add-norm epilogue) through the
-latency GEMV and through the stream GEMV at several tilings, 16 calls in a CUDA graph with
+stream GEMV at several tilings, 16 calls in a CUDA graph with
 programmatic dependent launch, µs a call (median of 20 replays): what STREAM_WEIGHTS and
 stream_gemv_config are chosen by.
 
@@ -40,12 +40,10 @@ SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "dow
 ROWS = (1, 8)
 REPS = 50
 GROUP_SIZE = 128
-# The one-row tilings timed by --int4-one-row: "latency" (_int4_gemv_kernel as latency_gemv_config
-# sets it), or the stream GEMV with (rows a program, words a step, warps, register cap or 0). With
-# 168 registers (ptxas' cap; 254 without) 12 one-warp programs fit an SM instead of 8, with no
-# spills in the loop at group size 128 (bench/sass_count.py's compile, Triton 3.6).
-ONE_ROW_TILINGS = ("latency", (16, 64, 1, 0), (16, 64, 1, 168), (16, 32, 1, 0), (32, 32, 1, 0), (16, 64, 2, 0),
-                   (8, 128, 2, 0), (8, 256, 4, 0), (4, 256, 4, 0))
+# The stream GEMV's tilings timed by --int4-one-row: (rows a program, words a step, warps); the first
+# two are stream_gemv_config's for large and small weights.
+ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 4), (8, 256, 2), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
+                   (16, 128, 2), (8, 128, 1), (32, 64, 2), (16, 32, 1))
 
 
 def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
@@ -63,21 +61,16 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def one_row_tiling(tiling: str | tuple[int, int, int, int]):
-    """The INT4 one-row path on one kernel and tiling for a while, whatever the weight's size."""
-    saved = int4_module.STREAM_WEIGHTS, int4_module.stream_gemv_config
-    if tiling == "latency":
-        int4_module.STREAM_WEIGHTS = 1 << 62
-    else:
-        rows, words, warps, maxnreg = tiling
-        int4_module.STREAM_WEIGHTS = 0
-        int4_module.stream_gemv_config = lambda group_size: dict(
-            ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1,
-            **({"maxnreg": maxnreg} if maxnreg else {}))
+def one_row_tiling(tiling: tuple[int, int, int]):
+    """The INT4 stream GEMV on one tiling for a while, whatever the weight's size."""
+    saved = int4_module.stream_gemv_config
+    rows, words, warps = tiling
+    int4_module.stream_gemv_config = lambda out_features, in_features, group_size: dict(
+        ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1)
     try:
         yield
     finally:
-        int4_module.STREAM_WEIGHTS, int4_module.stream_gemv_config = saved
+        int4_module.stream_gemv_config = saved
 
 
 def graph_us(fn, calls: int = 16, reps: int = 20) -> float:
@@ -105,8 +98,7 @@ def one_row_tilings() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
           f"(16 in a CUDA graph with PDL, median of 20 replays); group {GROUP_SIZE}\n")
-    labels = ["latency" if t == "latency" else "stream {}x{}x{}".format(*t[:3]) + (f" ≤{t[3]} reg" if t[3] else "")
-              for t in ONE_ROW_TILINGS]
+    labels = ["{}x{}x{}".format(*t) for t in ONE_ROW_TILINGS]
     print("| projection (K x N) | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for name, (k, n) in SHAPES.items():

@@ -38,6 +38,7 @@ SIGNATURE = {
     "stride_g": "i32", "words_per_split": "i32", "one_bits": "i32", "in_sumsq_ptr": "*fp32", "in_parts": "i32",
     "eps": "fp32", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16", "sumsq_ptr": "*fp32",
 }
+LARGE = (16384, 2048)  # Llama-3.2-1B's gate/up [N, K]: the large weights' tiling, the issue-bound one
 NOT_DIVISIBLE = {"in_parts", "eps"}
 VARIANTS = {"plain": {}, "silu-mul": {"SILU_MUL": True}, "add-norm": {"ADD_NORM": True, "SPLIT_K": 8}}
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
@@ -73,7 +74,7 @@ def loop_of(sass: str) -> list[str]:
 
 
 def count(group_size: int, constants: dict[str, object]) -> Count:
-    cfg = stream_gemv_config(group_size)
+    cfg = stream_gemv_config(*LARGE, group_size)
     constexprs = dict(HAS_BIAS=False, GROUP=group_size, ROWS=cfg["ROWS"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=1,
                       SILU_MUL=False, NORM_IN=False, ADD_NORM=False, PDL=True) | constants
     signature = SIGNATURE | {name: "constexpr" for name in constexprs}

@@ -18,11 +18,9 @@ G is a multiple of 8, so the eight weights of a word share one group.
 
 Kernels for x @ W.T, each reading a packed int32 once and dequantizing in registers (float32
 accumulation), by the number of rows M:
-  - M = 1 (decode): a GEMV on CUDA cores, one of two by weight size (see STREAM_WEIGHTS): for small
-    weights, programs of 4 output features walking K 2,048 input features at a time, each word
-    repeated 8 times in registers so that x is read contiguously; for large ones, programs of 16
-    output features that turn nibbles into floats with a shift and a lop3 (4 instructions a weight
-    in all, against 8: cuobjdump of the sm_90 loops) and split K when the rows alone leave SMs idle;
+  - M = 1 (decode): a GEMV on CUDA cores that turns nibbles into floats with a shift and a lop3
+    (about 4 instructions a weight in all: cuobjdump of the sm_90 loop, bench/sass_count.py), tiled
+    by weight size (see STREAM_WEIGHTS) and split along K when the rows alone leave SMs idle;
   - 1 < M <= GEMM_ROWS (decode batches, prefill chunks): a tl.dot GEMM whose weight tile
     [BLOCK_N, BLOCK_K] is each word interleaved 8 times along K and shifted per column;
   - M > GEMM_ROWS: the weight dequantized into x's dtype by a third kernel, then cuBLAS.
@@ -258,19 +256,6 @@ def _nibbles(packed, shifts):
     return (((packed >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g, g_end, WPG: tl.constexpr):
-    """A one-row kernel's loads for groups g [GROUPS] of its rows: the groups' words [ROWS, GROUPS,
-    WPG] and their zero points and scales [ROWS, GROUPS] (zeros past g_end). Masked per group
-    (constant along a group's words), so the word loads stay vectorized."""
-    ok = row_ok[:, None] & (g < g_end)[None, :]
-    words = g[:, None] * WPG + tl.arange(0, WPG)[None, :]
-    p = tl.load(w_rows + words[None, :, :], mask=ok[:, :, None], other=0)
-    z = tl.load(z_rows + g[None, :], mask=ok, other=0.0)
-    s = tl.load(s_rows + g[None, :], mask=ok, other=0.0)
-    return p, z, s
-
-
 # A float32 with the exponent of 1.0 (a kernel argument: in a register, ptxas ORs it in the same
 # lop3 as the mask). A nibble OR-ed into its mantissa at bit b reads 1 + q * 2**(b - 23).
 ONE_BITS = 0x3F800000
@@ -382,55 +367,6 @@ def _int4_stream_gemv_kernel(
         store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
-
-
-@triton.jit
-def _int4_gemv_kernel(
-    x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_g,
-    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
-    HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
-    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
-):
-    """One row of x against ROWS whole weight rows, read along K GROUPS groups at a time (long
-    contiguous runs; no split-K). Each word is repeated 8 times in registers so that x is read
-    contiguously, as in the GEMM below; products are summed per group, then scaled. The next
-    step's weights are loaded before this step's math, and the first step's before the wait for
-    the previous kernel (weights are never written, so they may be read before it ends). NORM_IN
-    and ADD_NORM as in the stream kernel."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
-    gs = tl.arange(0, GROUPS)
-    ks = tl.arange(0, GROUP)
-    shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
-    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
-    z_rows = zeros_ptr + rows.to(tl.int64)[:, None] * stride_g
-    s_rows = scales_ptr + rows.to(tl.int64)[:, None] * stride_g
-    num_groups = K // GROUP
-    p, z, s = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, gs, num_groups, GROUP // 8)
-    if ADD_NORM:
-        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
-    wait_for_previous_kernel(PDL)
-    if NORM_IN:
-        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
-    acc = tl.zeros([ROWS, GROUPS], dtype=tl.float32)
-    for g0 in range(0, num_groups, GROUPS):
-        g = g0 + gs
-        p_next, z_next, s_next = _int4_gemv_step(w_rows, z_rows, s_rows, row_ok, g + GROUPS, num_groups, GROUP // 8)
-        xt = tl.load(x_ptr + (g * GROUP)[:, None] + ks[None, :], mask=(g < num_groups)[:, None], other=0.0)
-        p = tl.interleave(p, p)
-        p = tl.interleave(p, p)
-        p = tl.interleave(p, p)  # [ROWS, GROUPS, GROUP]
-        zf = z.to(tl.float32) + 8388608.0  # as _nibbles
-        w = _nibbles(p, shifts[None, None, :]) - zf[:, :, None]
-        acc += tl.sum(xt.to(tl.float32)[None, :, :] * w, axis=2) * s.to(tl.float32)
-        p, z, s = p_next, z_next, s_next
-    y = tl.sum(acc, axis=1)
-    if NORM_IN:
-        y *= factor
-    if ADD_NORM:
-        store_add_norm(y, rows, row_ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
-    else:
-        store_tile(y[None, :], out_ptr, bias_ptr, out_ptr, out_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, 1)
 
 
 @triton.jit
@@ -563,27 +499,23 @@ def matmul_config(rows: int) -> dict[str, int]:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
-# One-row kernels by weight size. A small weight (a few MB: Llama-3.2-1B's QKV and O) is latency-bound:
-# _int4_gemv_kernel's many small programs put all of it in flight at once. A large one (its gate/up
-# and down) is bound by instruction issue: _int4_stream_gemv_kernel takes half the instructions a
-# weight. H200, a CUDA graph of 16 calls, us a call (latency / stream kernel): QKV 4.7 / 5.7,
-# O 3.3 / 4.0, gate/up 14.7 / 10.7, down 9.1 / 8.8. The FP8 one-row kernel's tilings split at the same size.
+# The stream GEMV's tiling by weight size. A small weight (a few MB: Llama-3.2-1B's QKV and O) is
+# latency-bound: 8 rows a program of 4 warps, 2,048 input features a step, so that its rows are read
+# whole before the wait for the previous kernel. A large one (its gate/up and down) is bound by
+# instruction issue: 16 rows a program of one warp, split along K when the rows leave SMs idle.
+# H200, a CUDA graph of 16 calls, µs a call (8x256x4 / 16x64x1 / the earlier latency GEMV over
+# [rows, groups, words] tiles): QKV 3.60 / 4.24 / 3.91, O 2.58 / 3.25 / 3.35, gate/up 11.84 / 8.10 /
+# 16.37, down 7.49 / 5.70 / 9.17 (bench/quant_kernels.py --int4-one-row, 2026-12-01). The FP8 one-row
+# kernel's tilings split at the same size.
 STREAM_WEIGHTS = 8 << 20
 
 
-def latency_gemv_config(in_features: int, group_size: int) -> dict[str, int]:
-    """_int4_gemv_kernel's tiling: 4 weight rows a program of 4 warps, 2,048 input features a step
-    (so Llama-3.2-1B's QKV and O rows are read whole before the wait for the previous kernel: INT4
-    decode at batch 1 1,479 against 1,471 tok/s with 1,024 a step, 1,451 with 8 warps; H200, two
-    rounds each in one call)."""
-    groups = min(max(1, 2048 // group_size), triton.next_power_of_2(in_features // group_size))
-    return dict(ROWS=4, GROUPS=groups, num_warps=4, num_stages=1)
-
-
-def stream_gemv_config(group_size: int) -> dict[str, int]:
-    """_int4_stream_gemv_kernel's tiling: 16 weight rows a program of one warp, 64 words of each a
-    step (8 rows of 4 words a thread; the best of an H200 sweep over 4-64 rows, 32-256 words and
-    1-8 warps at Llama-3.2-1B's gate/up and down)."""
+def stream_gemv_config(out_features: int, in_features: int, group_size: int) -> dict[str, int]:
+    """_int4_stream_gemv_kernel's tiling for a weight [out_features, in_features] (STREAM_WEIGHTS):
+    rows a program, words a step (whole groups; no wider than K for a small weight), warps."""
+    if out_features * in_features < STREAM_WEIGHTS:
+        words = min(256, triton.next_power_of_2(in_features // 8))
+        return dict(ROWS=8, BLOCK_W=max(words, group_size // 8), num_warps=4, num_stages=1)
     return dict(ROWS=16, BLOCK_W=max(64, group_size // 8), num_warps=1, num_stages=1)
 
 
@@ -638,38 +570,23 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
              bias: torch.Tensor | None, silu_mul: bool, norm_in: NormScale | None,
              add_norm: tuple[torch.Tensor, torch.Tensor] | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [1, K] through a one-row kernel, by weight size (STREAM_WEIGHTS): out [1, N] ([1, N / 2]
+    """x [1, K] through the stream GEMV, tiled by weight size (STREAM_WEIGHTS): out [1, N] ([1, N / 2]
     with silu_mul); with add_norm (residual [1, N], norm weight [N]), out is h * norm weight, and
     the new residual h and the sums of squares per row tile come too (else None, None)."""
     out_features, words = weight.shape
-    in_features = words * 8
-    stream = out_features * in_features >= STREAM_WEIGHTS
-    if stream:
-        cfg = stream_gemv_config(group_size)
-        outputs = out_features // 2 if silu_mul else out_features
-        tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
-    else:  # SiLU·up by its own kernel after
-        cfg = latency_gemv_config(in_features, group_size)
-        outputs = out_features
-        tiles = triton.cdiv(out_features, cfg["ROWS"])
+    cfg = stream_gemv_config(out_features, words * 8, group_size)
+    outputs = out_features // 2 if silu_mul else out_features
+    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
-    flags = dict(NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, HAS_BIAS=bias is not None,
-                 GROUP=group_size)
     pdl = programmatic_launch(x)
-    if stream:
-        split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
-        part, counts = split_workspace(out, split_k, tiles, out_features)
-        _int4_stream_gemv_kernel[(tiles, split_k)](
-            x, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
-            zeros.stride(0), per_split, ONE_BITS, *norm_args, SPLIT_K=split_k, SILU_MUL=silu_mul, PDL=pdl,
-            **flags, **cfg, **launch_options(pdl))
-    else:
-        _int4_gemv_kernel[(tiles,)](
-            x, weight, zeros, scales, bias, out, out_features, in_features, weight.stride(0), zeros.stride(0),
-            *norm_args, PDL=pdl, **flags, **cfg, **launch_options(pdl))
-        if silu_mul:
-            out = activation.silu_mul(out)
+    split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
+    part, counts = split_workspace(out, split_k, tiles, out_features)
+    _int4_stream_gemv_kernel[(tiles, split_k)](
+        x, weight, zeros, scales, bias, out, part, counts, out_features, words * 8, weight.stride(0),
+        zeros.stride(0), per_split, ONE_BITS, *norm_args, HAS_BIAS=bias is not None, GROUP=group_size,
+        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, PDL=pdl,
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 

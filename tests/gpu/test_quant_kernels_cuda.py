@@ -215,8 +215,8 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> None:
-    """Batch-1 decode's folded norm: o_proj and down_proj (int4: latency and stream GEMV, split
-    along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
+    """Batch-1 decode's folded norm: o_proj and down_proj (int4: the stream GEMV's small and
+    large tilings, split along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
     NormScale; against rms_norm between the plain projections. Then the chain replayed in a CUDA
     graph with PDL gives the eager chain's output bit for bit."""
     if fmt == "int4":

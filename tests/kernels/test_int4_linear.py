@@ -18,7 +18,7 @@ from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-# The one-row kernel for large weights sums 1 + q * 2**-8 (not q) per weight in float32: about
+# The one-row (stream) kernel sums 1 + q * 2**-4 (not q) per weight in float32: about
 # 2**-20 of sum |x| lost (~1e-5 on these O(1) outputs; bfloat16 rounds them to 2**-9).
 STREAM_TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-5), torch.float16: TOLERANCE[torch.float16]}
 
@@ -111,20 +111,22 @@ def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, ro
     # float32: against exact dequantization (the reference rounds W to the scales' float16).
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref, **(STREAM_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [16, 64, 128])
 @pytest.mark.parametrize("in_features, out_features", [(256, 200), (576, 72), (4096, 40)],
                          ids=["partial-rows", "partial-step", "split-k"])
+@pytest.mark.parametrize("large", [False, True], ids=["small-tiling", "large-tiling"])
 def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, group_size, in_features,
-                                       out_features) -> None:
-    # The one-row kernel for large weights, forced at test sizes. 576 = 4.5 steps of 128 features;
-    # 4,096 features against 3 row tiles are split along K (8 ways), summed by the last split.
+                                       out_features, large) -> None:
+    # The one-row kernel at either tiling (the large weights' forced at test sizes). 576 = 4.5 steps
+    # of 128 features (2.25 of the small tiling's 256 words); 4,096 features against a few row tiles
+    # are split along K, summed by the last split.
     if in_features % group_size:
         pytest.skip("the group size does not tile K")
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
+    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if large else 1 << 62)
     gen = torch.Generator().manual_seed(in_features + group_size)
     weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -161,7 +163,7 @@ def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_silu_mul_on_the_other_paths_is_the_activation_kernel(triton_interpreter, rows) -> None:
     gen = torch.Generator().manual_seed(rows)
-    weight, zeros, scales = int4_weight(256, 64, 32, gen)  # small: the latency GEMV at one row
+    weight, zeros, scales = int4_weight(256, 64, 32, gen)  # small: the stream GEMV's small tiling at one row
     x = torch.randn(rows, 256, generator=gen)
     out = int4_linear(x, weight, zeros, scales, 32, silu_mul=True)
     assert torch.equal(out, silu_mul(int4_linear(x, weight, zeros, scales, 32)))
@@ -191,7 +193,7 @@ def test_int4_linear_masks_a_partial_k_tile(triton_interpreter, dtype, rows) -> 
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, 64, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias)
-    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref, **(STREAM_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -231,16 +233,16 @@ def test_prefill_dequantizes_with_triton_then_multiplies(triton_interpreter, dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stream, in_features, out_features", [(False, 256, 80), (True, 256, 200), (True, 256, 208),
+@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 80), (True, 256, 200), (True, 256, 208),
                                                                    (True, 4096, 48)],
-                         ids=["latency", "stream-partial-tile", "stream", "stream-split-k"])
-def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, stream,
+                         ids=["small-tiling", "large-partial-tile", "large", "large-split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, large,
                                                             in_features, out_features) -> None:
     # o_proj / down_proj: y = x W^T + b, then h = y + residual (the new residual) and the norm of h,
     # left as h * weight and a NormScale; the next projection applies its factor to its outputs.
     # Against add_norm_ref (same roundings: exact but for the sum of squares' order) and against
     # rms_norm followed by the projection (within the rounding of h * weight).
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight, zeros, scales = int4_weight(in_features, out_features, 64, gen)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -253,7 +255,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     y = int4_linear(x, weight, zeros, scales, 64, bias)  # the kernel's own projection: the sums below are exact
     ref_u, ref_h, ref_scale = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    tiles = -(-out_features // (16 if stream else 4))
+    tiles = -(-out_features // (16 if large else 8))
     assert scale.sumsq.shape == (tiles,) and scale.eps == 1e-5
     torch.testing.assert_close(scale.sumsq.sum(), ref_scale.sumsq.sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64, bias) + residual,
