@@ -42,7 +42,7 @@ REPS = 50
 GROUP_SIZE = 128
 # The stream GEMV's tilings timed by --int4-one-row: (rows a program, words a step, warps); the first
 # two are stream_gemv_config's for large and small weights.
-ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 4), (8, 256, 2), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
+ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 2), (8, 256, 4), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
                    (16, 128, 2), (8, 128, 1), (32, 64, 2), (16, 32, 1))
 
 

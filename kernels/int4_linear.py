@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.dispatch import (arrival_counters, launch_options, programmatic_launch, use_triton,
+                              wait_for_previous_kernel)
 from kernels.rmsnorm import NormScale, add_norm_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
@@ -441,24 +442,16 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
     return out
 
 
-_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
 def split_workspace(out: torch.Tensor, split_k: int, tiles: int, cols: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_splits' buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols] (cols
-    given when the partials are wider than out: before SiLU·up)
-    and the device's per-tile arrival counters (zero between calls; kernels on one stream never
-    overlap, so they share them). The counters are made on the first call, which precedes any graph
-    capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
-    Without split-K neither is read: `out` stands in for both."""
+    given when the partials are wider than out: before SiLU·up) and the per-tile arrival counters
+    (dispatch.arrival_counters). Without split-K neither is read: `out` stands in for both."""
     if split_k == 1:
         return out, out
-    counts = _TILE_COUNTS.get(out.device)
-    if counts is None or counts.numel() < tiles:
-        counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
     shape = (out.shape[0], cols or out.shape[1])
-    return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), counts
+    return (torch.empty(split_k, *shape, dtype=torch.float32, device=out.device),
+            arrival_counters(out.device, tiles))
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,13 +493,13 @@ def matmul_config(rows: int) -> dict[str, int]:
 
 
 # The stream GEMV's tiling by weight size. A small weight (a few MB: Llama-3.2-1B's QKV and O) is
-# latency-bound: 8 rows a program of 4 warps, 2,048 input features a step, so that its rows are read
+# latency-bound: 8 rows a program of 2 warps, 2,048 input features a step, so that its rows are read
 # whole before the wait for the previous kernel. A large one (its gate/up and down) is bound by
 # instruction issue: 16 rows a program of one warp, split along K when the rows leave SMs idle.
-# H200, a CUDA graph of 16 calls, µs a call (8x256x4 / 16x64x1 / the earlier latency GEMV over
-# [rows, groups, words] tiles): QKV 3.60 / 4.24 / 3.91, O 2.58 / 3.25 / 3.35, gate/up 11.84 / 8.10 /
-# 16.37, down 7.49 / 5.70 / 9.17 (bench/quant_kernels.py --int4-one-row, 2026-12-01). The FP8 one-row
-# kernel's tilings split at the same size.
+# H200, a CUDA graph of 16 calls, µs a call (8x256x2 / 8x256x4 / 16x64x1; rows x words x warps):
+# QKV 3.28 / 3.54 / 4.39, O 2.65 / 2.64 / 3.38, gate/up 12.09 / 12.07 / 8.23, down 7.59 / 7.46 / 5.75
+# (bench/quant_kernels.py --int4-one-row at 60359f0; the latency GEMV over [rows, groups, words]
+# tiles it replaced, at 7959488: QKV 3.91, O 3.35). The FP8 one-row kernel's tilings split at the same size.
 STREAM_WEIGHTS = 8 << 20
 
 
@@ -515,7 +508,7 @@ def stream_gemv_config(out_features: int, in_features: int, group_size: int) -> 
     rows a program, words a step (whole groups; no wider than K for a small weight), warps."""
     if out_features * in_features < STREAM_WEIGHTS:
         words = min(256, triton.next_power_of_2(in_features // 8))
-        return dict(ROWS=8, BLOCK_W=max(words, group_size // 8), num_warps=4, num_stages=1)
+        return dict(ROWS=8, BLOCK_W=max(words, group_size // 8), num_warps=2, num_stages=1)
     return dict(ROWS=16, BLOCK_W=max(64, group_size // 8), num_warps=1, num_stages=1)
 
 
