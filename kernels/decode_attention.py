@@ -59,20 +59,24 @@ def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, 
 
 
 @triton.jit
-def merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, head, num_heads, stride_o_t, stride_o_h,
+def merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_heads, stride_o_t, stride_o_h,
                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One head's output from its splits' partial results, weighted by their log-sum-exps. Read from
-    L2 (.cg), where the other SMs' partials are."""
+    """The heads' outputs from their splits' partial results, weighted by their log-sum-exps: all of
+    them as one [heads, splits, D] tile, so that the loads are in flight together (one L2 round
+    trip, not one a head). Read from L2 (.cg), where the other SMs' partials are."""
     splits = tl.arange(0, SPLITS_PAD)
-    row = (seq * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg")
-    weight = tl.exp(lse - tl.max(lse, axis=0))
-    weight = weight / tl.sum(weight, axis=0)
+    rows = (seq * num_heads + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [heads, splits]
+    ok = head_ok[:, None] & (splits < NUM_SPLITS)[None, :]
     dims = tl.arange(0, HEAD_DIM)
-    parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(splits < NUM_SPLITS)[:, None], other=0.0, cache_modifier=".cg")
-    out = tl.sum(parts * weight[:, None], axis=0)
-    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+    lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    parts = tl.load(part_out_ptr + (rows * HEAD_DIM)[:, :, None] + dims[None, None, :], mask=ok[:, :, None],
+                    other=0.0, cache_modifier=".cg")
+    top = tl.max(lse, axis=1)
+    weight = tl.exp(lse - tl.where(head_ok, top, 0.0)[:, None])  # padded heads: all -inf, weight 0
+    weight = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]
+    out = tl.sum(parts * weight[:, :, None], axis=1)
+    o_offs = seq * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -82,7 +86,7 @@ def _decode_split_kernel(
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_blk, stride_c_pos, stride_c_kv,
     stride_tab,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -137,9 +141,9 @@ def _decode_split_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the count says so (release below)
         counter = count_ptr + seq * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split merges
-            for r in tl.static_range(GROUP):
-                merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + r, num_heads,
-                             stride_o_t, stride_o_h, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
+            group_rows = tl.arange(0, GROUP_ROWS)
+            merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + group_rows, group_rows < GROUP,
+                         num_heads, stride_o_t, stride_o_h, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
             tl.store(counter, 0)  # for the next call (or graph replay)
 
 
@@ -171,7 +175,8 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), GROUP_ROWS=triton.next_power_of_2(group),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
         IEEE=q.dtype == torch.float32, PDL=pdl, **launch_options(pdl),
     )
