@@ -2,9 +2,8 @@
 
 One program per (sequence, KV head, split): it reads its KV tiles (64 tokens over several blocks)
 once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
-and writes a partial result with its log-sum-exp; the last split of a (sequence, KV head) to
-finish merges them, in the same kernel (a launch less per layer than a merge kernel). Contexts are
-spread over splits so that a small batch still fills the GPU. Only device tensors are read (no host syncs), so it can be
+and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts are spread over splits so that a
+small batch still fills the GPU. Only device tensors are read (no host syncs), so it can be
 captured in a CUDA graph for a fixed batch size and number of splits.
 """
 from __future__ import annotations
@@ -13,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import arrival_counters, launch_options, programmatic_launch, wait_for_previous_kernel
+from kernels.dispatch import launch_options, programmatic_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -59,35 +58,14 @@ def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, 
 
 
 @triton.jit
-def merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_ok, num_heads, stride_o_t, stride_o_h,
-                 HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """The heads' outputs from their splits' partial results, weighted by their log-sum-exps: all of
-    them as one [heads, splits, D] tile, so that the loads are in flight together (one L2 round
-    trip, not one a head). Read from L2 (.cg), where the other SMs' partials are."""
-    splits = tl.arange(0, SPLITS_PAD)
-    rows = (seq * num_heads + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [heads, splits]
-    ok = head_ok[:, None] & (splits < NUM_SPLITS)[None, :]
-    dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    parts = tl.load(part_out_ptr + (rows * HEAD_DIM)[:, :, None] + dims[None, None, :], mask=ok[:, :, None],
-                    other=0.0, cache_modifier=".cg")
-    top = tl.max(lse, axis=1)
-    weight = tl.exp(lse - tl.where(head_ok, top, 0.0)[:, None])  # padded heads: all -inf, weight 0
-    weight = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]
-    out = tl.sum(parts * weight[:, :, None], axis=1)
-    o_offs = seq * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-
-
-@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, count_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_q_t, stride_q_h,
     stride_c_blk, stride_c_pos, stride_c_kv,
     stride_tab,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,24 +105,30 @@ def _decode_split_kernel(
         valid = tok < seq_len
         m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, valid[None, :],
                                    m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
+    # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
+    lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        o_offs = seq * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
-        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
-        num_heads = tl.num_programs(1) * GROUP
-        row = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=head_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so (release below)
-        counter = count_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last split merges
-            group_rows = tl.arange(0, GROUP_ROWS)
-            merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + group_rows, group_rows < GROUP,
-                         num_heads, stride_o_t, stride_o_h, HEAD_DIM, NUM_SPLITS, SPLITS_PAD)
-            tl.store(counter, 0)  # for the next call (or graph replay)
+    row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride_o_h, num_heads,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    row = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))
+    weight = weight / tl.sum(weight, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits_for(batch: int, num_kv_heads: int, sm_count: int = 132) -> int:
@@ -161,23 +145,23 @@ def decode_attention_triton(
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
-    out = torch.empty_like(q)
-    if num_splits > 1:
-        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        counts = arrival_counters(q.device, batch * num_kv)
-    else:  # not read
-        part_out = part_lse = counts = out
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = programmatic_launch(q)
     _decode_split_kernel[(batch, num_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, counts, out,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), GROUP_ROWS=triton.next_power_of_2(group),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
-        IEEE=q.dtype == torch.float32, PDL=pdl, **launch_options(pdl),
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
+        **launch_options(pdl),
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2), PDL=pdl,
+        **launch_options(pdl),
     )
     return out

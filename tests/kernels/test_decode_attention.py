@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from kernels.decode_attention import decode_attention_triton, num_splits_for
-from kernels.dispatch import ARRIVAL_COUNTS
 from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_attention import dense_attention
 
@@ -29,11 +28,6 @@ def test_decode_attention_matches_dense(triton_interpreter, dtype, num_splits, h
     with nan_poisoned_allocations():
         out = decode_attention_triton(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32),
                                       dim**-0.5, num_splits)
-        again = decode_attention_triton(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32),
-                                        dim**-0.5, num_splits)
-    # The last split of each (sequence, KV head) merged and set its counter back: a second call
-    # (a graph replay) counts from zero and gives the same output.
-    assert torch.equal(out, again) and not ARRIVAL_COUNTS.get(q.device, torch.zeros(1)).any()
     ref = torch.stack([
         dense_attention(q[i : i + 1], k_cache[t].flatten(0, 1)[:n], v_cache[t].flatten(0, 1)[:n], dim**-0.5)[0]
         for i, (t, n) in enumerate(zip(tables, lens))
