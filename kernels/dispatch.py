@@ -42,9 +42,9 @@ def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-# Arrival counters for kernels whose last program to finish a piece of work completes it (split-K
-# sums, split attention's merge): zero between calls (the last sets its counter back); kernels on
-# one stream never overlap, so they share them.
+# Arrival counters for kernels whose last program to finish a piece of work completes it (the
+# INT4 and FP8 kernels' split-K sums): zero between calls (the last sets its counter back); kernels
+# on one stream never overlap, so they share them.
 ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
