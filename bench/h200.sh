@@ -2,7 +2,9 @@
 # One device-tool call: GPU tests, where a decode step's time goes, then the benchmark of record.
 # Logs and the JSON land in $OUT; the summary table prints last.
 set -u
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The device machine's copy of the tree may carry a stale .git: the results must name the commit.
+: "${MINILLM_COMMIT:?set MINILLM_COMMIT to the commit under test}"
+export MINILLM_COMMIT PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
