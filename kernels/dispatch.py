@@ -42,22 +42,6 @@ def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-# Arrival counters for kernels whose last program to finish a piece of work completes it (the
-# INT4 and FP8 kernels' split-K sums): zero between calls (the last sets its counter back); kernels
-# on one stream never overlap, so they share them.
-ARRIVAL_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 counters on `device`. They are made on the first call, which precedes
-    any graph capture, and are not outgrown: 65,536 is more than any split grid takes (a kernel is
-    split only while its grid leaves SMs idle)."""
-    counts = ARRIVAL_COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        counts = ARRIVAL_COUNTS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return counts
-
-
 # ---- programmatic dependent launch (PDL) ----------------------------------------------------------
 # On Hopper and later a kernel launched with PDL may start while the kernel before it is still
 # finishing: its programs are placed on the SMs and wait, at their first line, for the previous

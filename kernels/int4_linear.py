@@ -41,8 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import (arrival_counters, launch_options, programmatic_launch, use_triton,
-                              wait_for_previous_kernel)
+from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, add_norm_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its pack
@@ -442,16 +441,24 @@ def dequantize_int4_triton(weight: torch.Tensor, zeros: torch.Tensor, scales: to
     return out
 
 
+_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
 def split_workspace(out: torch.Tensor, split_k: int, tiles: int, cols: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_splits' buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols] (cols
-    given when the partials are wider than out: before SiLU·up) and the per-tile arrival counters
-    (dispatch.arrival_counters). Without split-K neither is read: `out` stands in for both."""
+    given when the partials are wider than out: before SiLU·up)
+    and the device's per-tile arrival counters (zero between calls; kernels on one stream never
+    overlap, so they share them). The counters are made on the first call, which precedes any graph
+    capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
+    Without split-K neither is read: `out` stands in for both."""
     if split_k == 1:
         return out, out
+    counts = _TILE_COUNTS.get(out.device)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
     shape = (out.shape[0], cols or out.shape[1])
-    return (torch.empty(split_k, *shape, dtype=torch.float32, device=out.device),
-            arrival_counters(out.device, tiles))
+    return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), counts
 
 
 @functools.lru_cache(maxsize=None)
@@ -567,7 +574,8 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
     with silu_mul); with add_norm (residual [1, N], norm weight [N]), out is h * norm weight, and
     the new residual h and the sums of squares per row tile come too (else None, None)."""
     out_features, words = weight.shape
-    cfg = stream_gemv_config(out_features, words * 8, group_size)
+    in_features = words * 8
+    cfg = stream_gemv_config(out_features, in_features, group_size)
     outputs = out_features // 2 if silu_mul else out_features
     tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
@@ -576,7 +584,7 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
     split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
     part, counts = split_workspace(out, split_k, tiles, out_features)
     _int4_stream_gemv_kernel[(tiles, split_k)](
-        x, weight, zeros, scales, bias, out, part, counts, out_features, words * 8, weight.stride(0),
+        x, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
         zeros.stride(0), per_split, ONE_BITS, *norm_args, HAS_BIAS=bias is not None, GROUP=group_size,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, PDL=pdl,
         **cfg, **launch_options(pdl))

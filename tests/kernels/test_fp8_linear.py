@@ -12,8 +12,7 @@ from kernels.fp8_linear import (
     FP8, FP8_MAX, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, gemv_config, quantize_fp8, quantize_per_token,
     use_scaled_mm,
 )
-from kernels.dispatch import ARRIVAL_COUNTS
-from kernels.int4_linear import gemv_split
+from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -96,7 +95,7 @@ def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_inte
     x = torch.randn(1, 1024, generator=gen)
     assert gemv_split(3, 256, 64, x.device)[0] == 4
     first = fp8_linear(x, weight, scale)
-    assert not ARRIVAL_COUNTS[x.device].any()
+    assert not _TILE_COUNTS[x.device].any()
     torch.testing.assert_close(fp8_linear(x, weight, scale), first, rtol=0, atol=0)
     torch.testing.assert_close(first, fp8_linear_ref(x, weight, scale), **TOLERANCE[torch.float32])
 
@@ -121,7 +120,7 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
         apart = silu_mul(fp8_linear(x, weight, scale, bias))
     assert fused.shape == (rows, out_features // 2) and torch.equal(fused, apart)
     torch.testing.assert_close(fused, fp8_linear_ref(x, weight, scale, bias, silu_mul=True), **TOLERANCE[dtype])
-    assert not ARRIVAL_COUNTS.get(x.device, torch.zeros(1)).any()
+    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

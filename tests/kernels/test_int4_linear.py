@@ -8,9 +8,8 @@ import torch
 
 import kernels.int4_linear as int4_linear_module
 from kernels.activation import silu_mul
-from kernels.dispatch import ARRIVAL_COUNTS
 from kernels.int4_linear import (
-    AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
+    _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
     int4_linear, int4_linear_add_norm, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq,
     unpack_int4,
 )
@@ -136,7 +135,7 @@ def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, g
         out = int4_linear(x, weight, zeros, scales, group_size, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
-    assert not ARRIVAL_COUNTS.get(x.device, torch.zeros(1)).any()
+    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,7 +157,7 @@ def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, 
     exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
     ref = int4_linear_ref(x, weight, zeros, exact_scales, 64, bias, silu_mul=True)
     torch.testing.assert_close(fused, ref, **STREAM_TOLERANCE[dtype])
-    assert not ARRIVAL_COUNTS.get(x.device, torch.zeros(1)).any()
+    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -178,7 +177,7 @@ def test_split_k_leaves_its_tile_counters_at_zero(triton_interpreter) -> None:
     x = torch.randn(3, 512, generator=gen)
     assert split_k_for(3, 1, 16, 512, x.device)[0] > 1
     first = int4_linear(x, weight, zeros, scales, 32)
-    assert not ARRIVAL_COUNTS[x.device].any()
+    assert not _TILE_COUNTS[x.device].any()
     torch.testing.assert_close(int4_linear(x, weight, zeros, scales, 32), first, rtol=0, atol=0)
     torch.testing.assert_close(first, int4_linear_ref(x, weight, zeros, scales.float(), 32), **TOLERANCE[torch.float32])
 
