@@ -71,8 +71,8 @@ log = logging.getLogger("minillm.quantize")
 
 METHODS = ("awq", "rtn", "fp8-gptq")
 INT4_METHODS = ("awq", "rtn")
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration of Independence
-CALIBRATION_TOKENS = 2048  # the default: all of it (1,705 tokens for SmolLM2)
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration, then the Articles of Confederation
+CALIBRATION_TOKENS = 8192  # the default: all of it (5,946 tokens for SmolLM2)
 CALIBRATION_SEQ_LEN = 512
 MAX_Q = 15  # 4 bits
 GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
