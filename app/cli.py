@@ -63,7 +63,12 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                              "so other servers may not load the result; at batch 1 on a 1B model it is half the "
                              "bytes a step reads)")
     parser.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
-                        help="tokens of the shipped calibration text awq and fp8-gptq run through the model (default: all of it, ~1,700)")
+                        help="tokens of the calibration text awq and fp8-gptq run through the model (default: all of "
+                             "the shipped one, ~5,900)")
+    parser.add_argument("--calibration-text", default=None,
+                        help="awq, fp8-gptq: a UTF-8 text file to calibrate on instead of the shipped one (the "
+                             "Declaration of Independence and the Articles of Confederation); text like what the "
+                             "model will serve")
     parser.add_argument("--tune-steps", type=int, default=TUNE_STEPS,
                         help=f"awq: most steps of the end-to-end tuning of the scales and norm weights against the "
                              f"float model, stopped early by a held-out part of the text (default {TUNE_STEPS}; 0: none)")
@@ -74,7 +79,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 def quantize(args: argparse.Namespace) -> int:
     out = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.calibration_tokens,
-                              args.device, lm_head=args.lm_head, tune_steps=args.tune_steps)
+                              args.device, lm_head=args.lm_head, tune_steps=args.tune_steps,
+                              calibration_text=args.calibration_text)
     print(f"minillm: wrote {out}; serve it with `minillm serve --model {out}`", file=sys.stderr)
     return 0
 

@@ -55,5 +55,11 @@ def test_quantize_awq_with_few_calibration_tokens(tiny_model_dir, default_model_
     assert main(["quantize", "--model", str(src), "--method", "awq", "--group-size", "32", "--calibration-tokens",
                  "64", "--out", str(tmp_path / "q")]) == 0
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    (tmp_path / "mine.txt").write_text("Four score and seven years ago our fathers brought forth on this continent. " * 4)
+    assert main(["quantize", "--model", str(src), "--method", "fp8-gptq", "--calibration-text",
+                 str(tmp_path / "mine.txt"), "--out", str(tmp_path / "p")]) == 0
+    assert main(["quantize", "--model", str(src), "--method", "awq", "--calibration-text",
+                 str(tmp_path / "none.txt"), "--out", str(tmp_path / "s")]) == 2
+    assert "none.txt is not a file" in capsys.readouterr().err
     assert main(["quantize", "--model", str(src), "--group-size", "48", "--out", str(tmp_path / "r")]) == 2
     assert "group size 48" in capsys.readouterr().err

@@ -344,7 +344,31 @@ def test_quantize_refuses_what_it_cannot_do(tiny_model_dir, tiny_with_tokenizer,
         quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "d", "fp8-gptq", group_size=32)
     with pytest.raises(ModelLoadError, match="--lm-head is for int4"):
         quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "e", "fp8-gptq", lm_head=True)
+    with pytest.raises(ModelLoadError, match="is not a file"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "f", "awq", calibration_text=tmp_path / "missing.txt")
+    (tmp_path / "one.txt").write_text("a")
+    with pytest.raises(ModelLoadError, match="rtn reads no calibration text"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "f", "rtn", calibration_text=tmp_path / "one.txt")
+    with pytest.raises(ModelLoadError, match="at least 2 tokens"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "f", "fp8-gptq", calibration_text=tmp_path / "one.txt")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ModelLoadError, match="cannot read calibration text"):
+        quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "f", "fp8-gptq", calibration_text=tmp_path / "latin1.txt")
+    assert not (tmp_path / "f").exists()
     assert parse_quantization(None) is None
+
+
+def test_calibration_sequences_read_the_given_text(tiny_with_tokenizer, tmp_path) -> None:
+    """The shipped text by default (the Declaration first), or the given file's, cut at max_tokens
+    into sequences of up to seq_len."""
+    tokenizer = Tokenizer.from_dir(tiny_with_tokenizer)
+    shipped = calibration_sequences(tokenizer, 40, seq_len=16)
+    assert [len(s) for s in shipped] == [16, 16, 8]
+    assert tokenizer.decode(shipped[0]).startswith("In Congress, July 4, 1776.")
+    text = tmp_path / "mine.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    mine = calibration_sequences(tokenizer, 1000, seq_len=64, text=text)
+    assert [t for s in mine for t in s] == tokenizer.encode(text.read_text())
 
 
 def test_gptq_rounding_beats_round_to_nearest_on_the_output() -> None:
