@@ -73,7 +73,8 @@ log = logging.getLogger("minillm.quantize")
 
 METHODS = ("awq", "rtn", "fp8-gptq")
 INT4_METHODS = ("awq", "rtn")
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"  # the Declaration, then the Articles of Confederation
+# The Declaration of Independence, then the Articles of Confederation.
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
 CALIBRATION_TOKENS = 8192  # the default: all of it (5,946 tokens for SmolLM2)
 CALIBRATION_SEQ_LEN = 512
 MAX_Q = 15  # 4 bits
@@ -506,8 +507,8 @@ def tune_end_to_end(model: DecoderModel, targets: TuningTargets, grids: dict[tor
     a row without a new best (more steps overfit the short text: SmolLM2 at group size 64, eval
     perplexity 9.84 → 9.15 in 20 steps, then 9.28 at 60), and the best values seen are kept
     (SmolLM2 at group size 32, the Declaration alone: held-out KL 0.150 → 0.134 at 5 steps, then
-    up; eval perplexity 9.13 → 8.73; 3.5 times the text, same-domain, 8.31). Updates the modules' weights (still on their grids), their `grids` and the norm weights
-    in place."""
+    up; eval perplexity 9.13 → 8.73; 3.5 times the text, same-domain, 8.31). Updates the modules'
+    weights (still on their grids), their `grids` and the norm weights in place."""
     if steps <= 0:
         return
     names = {module: name for name, module in model.named_modules()}
