@@ -2,7 +2,7 @@
 
 The text is bench/data/eval.txt (the articles of the U.S. Constitution, public domain; a different
 text from the AWQ calibration text, engine/data/calibration.txt). It is scored with our own
-DecoderModel forward (engine/offline.py) over --window-token windows every --stride tokens; each
+DecoderModel forward (engine/packed_prefill.py) over --window-token windows every --stride tokens; each
 token is scored once, in the first window that holds it past the stride's overlap (as Hugging Face's
 perplexity guide does), so every scored token but those of the first window sees at least
 window - stride tokens of context.
@@ -36,7 +36,7 @@ from bench.provenance import git_commit  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model_store import DEFAULT_DIR_NAME, resolve_model  # noqa: E402
 from engine.models.llama import DecoderModel  # noqa: E402
-from engine.offline import sequence_logprobs  # noqa: E402
+from engine.packed_prefill import sequence_logprobs  # noqa: E402
 from engine.quantize import CALIBRATION_TOKENS, quantize_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 

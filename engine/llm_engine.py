@@ -19,7 +19,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.worker import build_runner, context_length, kv_cache_blocks, load_shard, model_source, start_tensor_parallel
+from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
+from engine.workers import start_tensor_parallel
 
 log = logging.getLogger("minillm.engine")
 
@@ -56,7 +57,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         # Under tensor parallelism this process is rank 0; the other ranks start now and build the
-        # same shard, KV cache and runner beside it (engine/worker.py).
+        # same shard, KV cache and runner beside it (engine/workers.py).
         self.tp, self.workers, device = start_tensor_parallel(config)
         try:
             self.model = load_shard(config, self.tp, device)

@@ -63,7 +63,7 @@ from engine.loader import layer_projections, load_model
 from engine.model_store import COMPLETE_MARKER, resolve_model, source_block_size
 from engine.models.config import ModelConfig
 from engine.models.llama import DecoderLayer, DecoderModel
-from engine.offline import pack_sequences
+from engine.packed_prefill import pack_sequences
 from engine.tokenizer import Tokenizer
 from kernels.dispatch import reference_kernels
 from kernels.fp8_linear import FP8, FP8_MAX, quantize_fp8

@@ -1,5 +1,5 @@
 """The process group's teardown: NCCL's is collective, so a rank whose peers are gone must not
-wait for them forever (the collectives themselves are checked by tests/engine/test_worker.py)."""
+wait for them forever (the collectives themselves are checked by tests/engine/test_workers.py)."""
 from __future__ import annotations
 
 import threading

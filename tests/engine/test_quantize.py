@@ -18,7 +18,7 @@ from engine.loader import layer_projections, load_model
 from engine.models.config import ModelConfig, QuantConfig, parse_quantization
 from engine.models.linear import Fp8Linear, Int4Linear
 from engine.models.llama import DecoderModel
-from engine.offline import prompt_logits
+from engine.packed_prefill import prompt_logits
 from engine.quantize import (
     TUNE_HELD_OUT, _kl, _next_token_logprobs, awq_calibrate, calibration_sequences, default_group_size, gptq_round,
     int4_gptq, int4_gptq_calibrate, int4_lm_head_calibrate, quantize_checkpoint, quantize_weight, tune_end_to_end,

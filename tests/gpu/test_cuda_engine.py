@@ -89,7 +89,7 @@ def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_d
     kernels (2 norm kernels instead of 2L + 1) give the unfolded model's logits, within bf16 (a
     missing factor or residual would be off by O(1))."""
     from engine.loader import load_model
-    from engine.offline import prompt_logits
+    from engine.packed_prefill import prompt_logits
     from engine.quantize import quantize_checkpoint
 
     path, _ = tiny_model_dir(shape)

@@ -1,5 +1,4 @@
-"""What every rank builds (its shard of the model, a KV cache of the size all ranks agree on, a model
-runner) and, for tensor parallelism, the other ranks: one process per device, started by rank 0.
+"""The other tensor-parallel ranks: one process per device, started by rank 0.
 
 Rank 0 is the engine's own process: it schedules, samples and streams. Each other rank loops on
 the steps rank 0 sends (engine.model_runner.StepInputs, pickled through a pipe) and runs the same
@@ -19,101 +18,15 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, parse_bytes
+from engine.builder import build_runner, check_tensor_parallel, kv_cache_blocks, load_shard
+from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel, close_tensor_parallel, init_tensor_parallel, rank_device
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.loader import RANDOM_PREFIX, load_model, model_config
-from engine.model_runner import ModelRunner, StepInputs
-from engine.model_store import resolve_model
-from engine.models.llama import DecoderModel
-from engine.models.sharding import ModelShard
-from engine.offline import pack_sequences
+from engine.model_runner import StepInputs
 
 log = logging.getLogger("minillm.engine")
-
-
-def model_source(config: EngineConfig) -> str | Path:
-    """A `random:<shape>` name as it is, anything else resolved to its directory."""
-    return config.model if config.model.startswith(RANDOM_PREFIX) else resolve_model(config.model)
-
-
-def check_tensor_parallel(config: EngineConfig) -> None:
-    """Refuse a tensor-parallel size this model or machine cannot run, before any process starts."""
-    size = config.tensor_parallel_size
-    if size < 1:
-        raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {size}.", param="tensor_parallel_size")
-    if size == 1:
-        return
-    device = config.torch_device()
-    if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise InvalidRequestError(f"tensor_parallel_size {size} needs {size} GPUs; this machine has "
-                                  f"{torch.cuda.device_count()}.", param="tensor_parallel_size")
-    cfg = model_config(model_source(config))
-    if cfg.vocab_size < size:
-        raise ModelLoadError(f"A vocabulary of {cfg.vocab_size} cannot be split over {size} ranks.")
-    for rank in range(size):  # raises for head counts or AWQ groups that do not split
-        ModelShard.of(cfg, rank, size, cfg.quantization)
-
-
-def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -> DecoderModel:
-    return load_model(model_source(config), config.torch_dtype(), device, seed=config.weights_seed,
-                      quantization=config.quantization, tp=tp)
-
-
-def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParallel) -> int:
-    """KV blocks per rank: what this rank's budget holds, the least over ranks (each holds the
-    same blocks of its own heads)."""
-    device = model.embed_tokens.weight.device
-    if config.kv_cache_memory is not None:
-        budget = parse_bytes(config.kv_cache_memory)
-    elif device.type == "cuda":
-        budget = _profiled_kv_budget(config, model)
-    else:
-        budget = 1 << 30
-    blocks = tp.min(budget // (config.block_size * model.kv_bytes_per_token()), device)
-    if blocks < 2:
-        raise InvalidRequestError(f"The KV budget holds {blocks} blocks; give --kv-cache-memory more.")
-    return blocks
-
-
-@torch.inference_mode()
-def _profiled_kv_budget(config: EngineConfig, model: DecoderModel) -> int:
-    """What --gpu-memory-utilization leaves for KV blocks after the weights and the activations
-    of a largest step (a full --max-num-batched-tokens prefill, logits for --max-num-seqs rows)."""
-    device = model.embed_tokens.weight.device
-    tokens = config.batched_tokens()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    batch = pack_sequences(model, [[0] * tokens], block_size=config.block_size)
-    hidden = model(batch.input_ids, batch.positions, batch.kv_cache, batch.meta)
-    rows = min(config.max_num_seqs, tokens)
-    model.compute_logits(hidden[-rows:])
-    torch.cuda.synchronize(device)
-    kv = batch.kv_cache
-    peak = torch.cuda.max_memory_allocated(device) - kv.numel() * kv.element_size()
-    del batch, kv, hidden
-    torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info(device)[1]
-    budget = int(total * config.gpu_memory_utilization) - peak
-    log.info("GPU memory: %.1f GiB total, %.1f GiB for weights and a largest step, %.1f GiB for KV (utilization %.2f)",
-             total / 2**30, peak / 2**30, budget / 2**30, config.gpu_memory_utilization)
-    return budget
-
-
-def context_length(config: EngineConfig, model: DecoderModel, num_blocks: int) -> int:
-    """--max-model-len or the model's, no more than the KV pool holds: a longer sequence could never run."""
-    return min(config.max_model_len or model.cfg.max_position_embeddings, num_blocks * config.block_size)
-
-
-def build_runner(config: EngineConfig, model: DecoderModel, num_blocks: int, sample_vocab_size: int | None = None,
-                 publish: Callable[[StepInputs], None] | None = None) -> ModelRunner:
-    return ModelRunner(model, num_blocks, config.block_size, context_length(config, model, num_blocks),
-                       config.max_num_seqs, config.cuda_graphs, sample_vocab_size, publish)
 
 
 class Workers:
