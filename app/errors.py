@@ -1,6 +1,7 @@
 """Every error the server returns, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
-Handlers here are the one place typed errors become HTTP responses.
+Handlers here are the one place typed errors become HTTP responses; ENGINE_ERRORS is the one table
+from an engine error class to its HTTP status and OpenAI error type.
 """
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.json import JSONResponse
-from engine.errors import EngineDeadError, MinillmError
+from engine.errors import (ContextLengthError, EngineDeadError, InvalidRequestError, MinillmError, ModelLoadError,
+                           RequestAbortedError)
 
 log = logging.getLogger("minillm.app")
 
+# Engine error class -> (HTTP status, OpenAI error type), looked up along the class's MRO.
+ENGINE_ERRORS: dict[type[MinillmError], tuple[int, str]] = {
+    ContextLengthError: (400, "invalid_request_error"),
+    InvalidRequestError: (400, "invalid_request_error"),
+    ModelLoadError: (500, "model_load_error"),
+    EngineDeadError: (503, "service_unavailable"),
+    RequestAbortedError: (499, "request_aborted"),
+    MinillmError: (500, "internal_error"),
+}
+
 
 class APIError(MinillmError):
-    """An HTTP-level error raised by the app itself (auth, routing, limits)."""
+    """An HTTP-level error raised by the app itself (auth, routing, limits): it carries its own status."""
 
     def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -28,8 +40,20 @@ class APIError(MinillmError):
         self.headers = headers or {}
 
 
+def status_and_type(exc: MinillmError) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of a typed error."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.type
+    return next(ENGINE_ERRORS[cls] for cls in type(exc).__mro__ if cls in ENGINE_ERRORS)
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def typed_error_body(exc: MinillmError) -> dict:
+    """A typed error's OpenAI body (also sent as the last event of a stream that failed midway)."""
+    return error_body(exc.message, status_and_type(exc)[1], exc.param, exc.code)
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None, code: str | int | None = None,
@@ -47,12 +71,11 @@ def _param(loc: tuple) -> str:
 
 async def handle_minillm_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MinillmError)
-    if isinstance(exc, EngineDeadError):
-        return error_response(503, exc.message, "service_unavailable", code="engine_dead")
+    status, _ = status_and_type(exc)
     headers = exc.headers if isinstance(exc, APIError) else None
-    if exc.status >= 500:
+    if status >= 500 and not isinstance(exc, EngineDeadError):  # a dead loop was logged when it died
         log.error("request %s failed: %s", getattr(request.state, "request_id", "-"), exc.message)
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, headers)
+    return JSONResponse(typed_error_body(exc), status_code=status, headers=headers)
 
 
 async def handle_validation_error(request: Request, exc: Exception) -> Response:

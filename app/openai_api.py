@@ -13,13 +13,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from app import tracing
-from app.errors import APIError, error_body
+from app.errors import APIError, typed_error_body
 from app.json import SSE_DONE, JSONResponse, loads, sse
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.state import AppState
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, MinillmError
-from engine.outputs import RequestOutput, SampleDelta
+from engine.outputs import RequestOutput, SampleDelta, Usage
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -62,15 +62,23 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     ttft: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    # Per prompt, the usage its engine request last reported (before its first output: its prompt).
+    usages: dict[int, Usage] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(u.prompt_tokens for u in self.usages.values())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(u.completion_tokens for u in self.usages.values())
+
     def usage(self) -> dict[str, Any]:
+        """The engine's usage summed over the prompts (each prompt counted once, every choice's tokens)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in self.usages.values())}}
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -116,7 +124,7 @@ async def start(request: Request, gen: Generation, prompts: list[Any], params: S
     state.check_queue(engine)
     prepared = await engine.prepare_all([(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}")
                                          for i, p in enumerate(prompts)])
-    gen.prompt_tokens = sum(r.num_prompt_tokens for r in prepared)
+    gen.usages = {i: Usage(r.num_prompt_tokens, 0) for i, r in enumerate(prepared)}
     gen.num_choices = len(prepared) * gen.n
     return merged([engine.stream(r) for r in prepared])
 
@@ -139,12 +147,12 @@ async def observed(request: Request, gen: Generation,
                     elif last is not None:
                         state.metrics.observe_itl(now - last)
                     last = now
-                gen.completion_tokens += sum(len(d.token_ids) for d in out.deltas)
+                if out.usage is not None:
+                    gen.usages[i] = out.usage
                 for d in out.deltas:
                     if d.finish_reason:
                         gen.finish_reasons[i * gen.n + d.index] = d.finish_reason
                 if out.finished:
-                    gen.cached_tokens += out.usage.cached_tokens if out.usage else 0
                     times = out.times if times is None or (out.times and out.times.total > times.total) else times
                 yield i, out
     finally:
@@ -207,17 +215,12 @@ def join_choices(items: list[tuple[int, RequestOutput]], n: int, prefix: dict[in
     return sorted(choices.items())
 
 
-def token_text(engine: AsyncEngine, token_id: int) -> str:
-    tokenizer = engine.engine.tokenizer
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
-
-
 # ---- chat ---------------------------------------------------------------------------------------
 
 
 def chat_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(engine, token_id)
+        text = engine.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
@@ -278,7 +281,7 @@ async def chat_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterat
         if include_usage:
             yield sse(head | {"choices": [], "usage": gen.usage()})
     except MinillmError as e:  # the engine died mid-stream: say so in the stream, then end it
-        yield sse(error_body(e.message, e.type, e.param, e.code))
+        yield sse(typed_error_body(e))
     yield SSE_DONE
 
 
@@ -286,13 +289,13 @@ async def chat_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterat
 
 
 def completion_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-    tokens = [token_text(engine, lp.token_id) for lp in logprobs]
+    tokens = [engine.token_text(lp.token_id) for lp in logprobs]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(engine, t): v for t, v in lp.top} for lp in logprobs],
+            "top_logprobs": [{engine.token_text(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -306,8 +309,8 @@ async def completions(request: Request) -> Response:
     outputs = observed(request, gen, await start(request, gen, prompts, params))
     echo = {}
     if body.echo:
-        tokenizer = engine.engine.tokenizer
-        echo = {i: p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer else "") for i, p in enumerate(prompts)}
+        echo = {i: p if isinstance(p, str) else (engine.decode(p) if engine.has_tokenizer else "")
+                for i, p in enumerate(prompts)}
     want_logprobs = params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -356,7 +359,7 @@ async def completion_stream(engine: AsyncEngine, gen: Generation, outputs: Async
         if include_usage:
             yield sse(head | {"choices": [], "usage": gen.usage()})
     except MinillmError as e:
-        yield sse(error_body(e.message, e.type, e.param, e.code))
+        yield sse(typed_error_body(e))
     yield SSE_DONE
 
 
@@ -366,7 +369,7 @@ async def completion_stream(engine: AsyncEngine, gen: Generation, outputs: Async
 def model_card(state: AppState) -> dict[str, Any]:
     card = {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": "minillm"}
     if state.engine is not None:
-        card["max_model_len"] = state.engine.engine.max_model_len
+        card["max_model_len"] = state.engine.max_model_len
     return card
 
 
@@ -380,29 +383,33 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(model_card(state))
 
 
+def tokenizer_engine(state: AppState) -> AsyncEngine:
+    """The live engine, if its model has a tokenizer (the tokenizer routes need one)."""
+    engine = state.live_engine()
+    if not engine.has_tokenizer:
+        raise InvalidRequestError("This model has no tokenizer.", param="model")
+    return engine
+
+
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
     body = TokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
     state.check_model(body.model)
-    tokenizer = state.live_engine().engine.tokenizer
-    if tokenizer is None:
-        raise InvalidRequestError("This model has no tokenizer.", param="model")
+    engine = tokenizer_engine(state)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
     if body.messages is not None:
-        tokens = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        tokens = engine.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
     else:
-        tokens = list(tokenizer.hf(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.engine.max_model_len})
+        tokens = engine.tokenize(body.prompt, body.add_special_tokens)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
 
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
     body = DetokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
     state.check_model(body.model)
-    engine = state.live_engine().engine
-    if engine.tokenizer is None:
-        raise InvalidRequestError("This model has no tokenizer.", param="model")
-    if any(not 0 <= t < engine.model_config.vocab_size for t in body.tokens):
+    engine = tokenizer_engine(state)
+    if any(not 0 <= t < engine.vocab_size for t in body.tokens):
         raise InvalidRequestError("Token ids must be in [0, vocab size).", param="tokens")
-    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    return JSONResponse({"prompt": engine.decode(body.tokens, skip_special_tokens=False)})

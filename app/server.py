@@ -59,10 +59,10 @@ async def load_engine(state: AppState) -> None:
     try:
         llm = await asyncio.to_thread(LLMEngine, state.settings.engine)
         await asyncio.to_thread(llm.warm_up)
-        state.engine = AsyncEngine(llm).start()
+        engine = state.engine = AsyncEngine(llm).start()
         state.ready = True
         log.info("ready: serving %s (max_model_len %d, %d KV blocks)", state.settings.model_name,
-                 llm.max_model_len, llm.block_manager.num_blocks)
+                 engine.max_model_len, engine.stats().kv_blocks_total)
     except Exception as e:  # noqa: BLE001 - a failed load is reported by /health, not raised into the server
         state.load_error = e
         log.exception("loading the model failed")

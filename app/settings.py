@@ -12,7 +12,7 @@ ENV_PREFIX = "MINILLM_"
 
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
-    "tokenizer": "a directory holding the tokenizer to use instead of the model's ('default': the embedded model's); random:<shape> models have none of their own",
+    "tokenizer": "a directory holding the tokenizer to use instead of the model's (default: the model's own; 'default': the embedded model's); random:<shape> models have none of their own",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU)",
     "device": "auto, cpu or cuda[:N]",
     "weights_seed": "seed of the weights of random:<shape> models",
@@ -89,6 +89,13 @@ def _env_default(name: str, default, kind):
     return default if raw is None else kind(raw)
 
 
+def with_default(text: str, default: object) -> str:
+    """A flag's help that ends by showing its default, unless the text already says what it is."""
+    if "(default" in text:
+        return text
+    return text + (" (default: unset)" if default is None else " (default: %(default)s)")
+
+
 def add_arguments(parser: argparse.ArgumentParser, server: bool = True) -> None:
     """Flags for the engine (and the server); each defaults to its MINILLM_* variable if set."""
     groups = [(EngineConfig, _ENGINE_HELP)] + ([(ServerSettings, _HELP)] if server else [])
@@ -96,9 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser, server: bool = True) -> None:
         for f in fields(settings_class):
             if f.name in help_texts:
                 kind = _kind(str(f.type))
-                parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind,
-                                    default=_env_default(f.name, f.default, kind),
-                                    help=f"{help_texts[f.name]} [env {ENV_PREFIX}{f.name.upper()}]")
+                default = _env_default(f.name, f.default, kind)
+                env = ENV_PREFIX + f.name.upper()
+                parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default,
+                                    help=f"{with_default(help_texts[f.name], default)} [env {env}]")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -20,7 +20,7 @@ class AppState:
     ready: bool = False  # loaded and warmed
     draining: bool = False  # SIGTERM received: finishing in-flight requests
     load_error: BaseException | None = None
-    in_flight: int = 0  # generation requests being served
+    in_flight: int = 0  # generation calls being served (what a shutdown drains)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def live_engine(self) -> AsyncEngine:
@@ -41,8 +41,7 @@ class AppState:
                            "not_found_error", param="model", code="model_not_found")
 
     def check_queue(self, engine: AsyncEngine) -> None:
-        """Waiting requests are in flight but not running; past max_queue, ask the client to retry."""
-        stats = engine.stats()
-        if self.in_flight - stats.running >= self.settings.max_queue:
+        """Past max_queue requests waiting for the engine, ask the client to retry."""
+        if engine.num_waiting >= self.settings.max_queue:
             raise APIError(429, "Too many requests are waiting; retry shortly.", "rate_limit_exceeded",
                            code="queue_full", headers={"Retry-After": "1"})

@@ -12,12 +12,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import EngineDeadError, InvalidRequestError, MinillmError
 from engine.llm_engine import EngineStats, LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("minillm.engine")
 
@@ -44,8 +46,11 @@ def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Requ
 
 
 class AsyncEngine:
+    """The app's one door to the engine: requests in, outputs out, and what the server needs to know
+    about the model and its tokenizer."""
+
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._channels: dict[str, _Channel] = {}
         self._stopping = threading.Event()
@@ -64,7 +69,7 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout)
-        self.engine.close()
+        self._engine.close()
 
     @property
     def is_alive(self) -> bool:
@@ -74,6 +79,47 @@ class AsyncEngine:
         """The numbers as of the last step (read without stopping the loop)."""
         return self._stats
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests streaming but not running as of the last step (queued, or preempted): what
+        admission control bounds."""
+        return len(self._channels) - self._stats.running
+
+    # ---- the model and its tokenizer ------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: valid token ids are [0, vocab_size)."""
+        return self._engine.model_config.vocab_size
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._engine.tokenizer is not None
+
+    def _tokenizer(self) -> Tokenizer:
+        if self._engine.tokenizer is None:
+            raise InvalidRequestError("This model has no tokenizer.", param="model")
+        return self._engine.tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids (add_special_tokens: the tokenizer's own, e.g. BOS, as a prompt gets them)."""
+        return self._tokenizer().encode(text, add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat messages to a prompt's token ids, through the model's chat template."""
+        return self._tokenizer().apply_chat_template(messages)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer().decode(token_ids, skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included; without a tokenizer, its id."""
+        return self.decode([token_id], skip_special_tokens=False) if self.has_tokenizer else str(token_id)
+
     def prepare(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Tokenize and validate now (raises typed errors), without queueing: callers check every
         prompt of an API call before they send a byte."""
@@ -81,7 +127,7 @@ class AsyncEngine:
             raise EngineDeadError("The engine is not running.")
         if request_id is not None and request_id in self._channels:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
-        return self.engine.make_request(prompt, params, request_id)
+        return self._engine.make_request(prompt, params, request_id)
 
     async def prepare_all(self, items: list[tuple[Prompt, SamplingParams, str | None]]) -> list[Request]:
         """prepare() for each item, on the tokenizer's own thread: a long prompt's tokenization and
@@ -133,10 +179,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._take_commands(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
-                self._stats = self.engine.stats()
+                self._take_commands(block=not self._engine.has_unfinished())
+                if self._engine.has_unfinished():
+                    self._deliver(self._engine.step())
+                self._stats = self._engine.stats()
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop must reach every waiter
             log.exception("engine loop died")
             self.error = e
@@ -153,12 +199,12 @@ class AsyncEngine:
             if kind == "add":
                 assert isinstance(arg, Request)
                 try:
-                    self.engine.add(arg)
+                    self._engine.add(arg)
                 except MinillmError as e:
                     if channel := self._channels.get(arg.request_id):
                         channel.put(e)
             elif kind == "abort":
-                out = self.engine.abort(str(arg))
+                out = self._engine.abort(str(arg))
                 if out is not None:
                     self._deliver([out])
 

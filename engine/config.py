@@ -1,14 +1,17 @@
-"""Engine settings (the CLI's and later the server's flags)."""
+"""Engine settings (the CLI's and the server's flags). Importing this module does not import torch:
+the CLI builds its flags from these defaults, and `minillm --help` should answer at once."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names: torch dtypes of the same name
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
 
@@ -44,6 +47,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices (processes) each layer is split over: GPUs, or CPU ranks with gloo
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -53,13 +58,17 @@ class EngineConfig:
         chunks; small ones and CPUs keep decodes beside a chunk from stalling."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
+        import torch
+
         device = self.torch_device()
         big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 70 * 2**30
         return 8192 if big else 2048
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         if self.dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)

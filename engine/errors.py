@@ -1,12 +1,13 @@
-"""Typed errors raised by the engine. The app maps each to an OpenAI error body in one place."""
+"""Typed errors raised by the engine: what went wrong and which input is at fault. The app maps each
+class to its HTTP response in one table (app/errors.py)."""
 from __future__ import annotations
 
 
 class MinillmError(Exception):
-    """Base of every error minillm raises on purpose."""
+    """Base of every error minillm raises on purpose.
 
-    status: int = 500
-    type: str = "internal_error"
+    `param` names the offending input (a request field such as "messages", or a setting); `code` is a
+    machine-readable reason where there is one (e.g. "context_length_exceeded")."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -17,9 +18,6 @@ class MinillmError(Exception):
 
 class InvalidRequestError(MinillmError):
     """A request the engine cannot serve as asked (bad parameter, bad prompt)."""
-
-    status = 400
-    type = "invalid_request_error"
 
 
 class ContextLengthError(InvalidRequestError):
@@ -32,19 +30,13 @@ class ContextLengthError(InvalidRequestError):
 class ModelLoadError(MinillmError):
     """A model directory or named shape that cannot be loaded: says what is wrong."""
 
-    status = 500
-    type = "model_load_error"
-
 
 class EngineDeadError(MinillmError):
     """The engine loop has died; no request can be served."""
 
-    status = 503
-    type = "engine_dead"
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_dead")
 
 
 class RequestAbortedError(MinillmError):
     """The request was aborted before it finished."""
-
-    status = 499
-    type = "request_aborted"

@@ -111,6 +111,11 @@ class LLMEngine:
                                  f"vocabulary of {self.model_config.vocab_size}.")
         return tokenizer
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat messages can be sent as a prompt (the tokenizer has a chat template)."""
+        return self.tokenizer is not None and self.tokenizer.has_chat_template
+
     def warm_up(self) -> None:
         """Run one tiny request through every stage (first-call costs land here, not on a client),
         then forget it: counters start from zero."""

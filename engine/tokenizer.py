@@ -37,11 +37,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text).input_ids)
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not self.hf.chat_template:
+        if not self.has_chat_template:
             raise InvalidRequestError("This model has no chat template; use completions.", param="messages")
         try:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -1,11 +1,15 @@
-"""The command line: `minillm generate` streams the same text the engine produces."""
+"""The command line: `minillm generate` streams the same text the engine produces; --help needs no torch."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+import app.cli
 from app.cli import main
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -35,7 +39,7 @@ def test_bad_flags_give_a_clear_error(default_model_dir, capsys) -> None:
 
 def test_quantize_writes_a_model_that_generates(default_model_dir, tmp_path, capsys) -> None:
     """`minillm quantize` end to end on the embedded model (round-to-nearest: AWQ's search takes a
-    minute on 30 layers; tests/engine/test_quantize.py runs it on a tiny model)."""
+    minute on 30 layers; tests/engine/quantization/ runs it on a tiny model)."""
     out = tmp_path / "int4"
     assert main(["quantize", "--model", str(default_model_dir), "--method", "rtn", "--out", str(out)]) == 0
     assert str(out) in capsys.readouterr().err
@@ -63,3 +67,33 @@ def test_quantize_awq_with_few_calibration_tokens(tiny_model_dir, default_model_
     assert "none.txt is not a file" in capsys.readouterr().err
     assert main(["quantize", "--model", str(src), "--group-size", "48", "--out", str(tmp_path / "r")]) == 2
     assert "group size 48" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["quantize", "--help"]])
+def test_help_imports_no_torch_and_shows_defaults(argv: list[str]) -> None:
+    """--help answers without importing torch (seconds of start-up), and every flag shows its default."""
+    check = (f"import sys, app.cli\n"
+             f"try:\n    app.cli.main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+             f"assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    entries: list[str] = []  # each option's help, its wrapped lines joined
+    for line in done.stdout.splitlines():
+        if line.startswith("  -"):
+            entries.append(line)
+        elif entries and line.startswith("    "):
+            entries[-1] += " " + line.strip()
+    assert entries
+    for entry in entries:
+        if not entry.lstrip().startswith(("-h, --help", "--out")):  # --out is required: it has no default
+            assert "(default" in entry, entry
+
+
+def test_quantize_defaults_match_the_engine() -> None:
+    """The parser's quantize defaults are plain values (no torch for --help); they must be the engine's."""
+    from engine.quantization import CALIBRATION_TOKENS, METHODS, TUNE_STEPS
+
+    assert app.cli.QUANTIZE_METHODS == tuple(METHODS)
+    assert app.cli.CALIBRATION_TOKENS == CALIBRATION_TOKENS
+    assert app.cli.TUNE_STEPS == TUNE_STEPS

@@ -24,10 +24,12 @@ def wait_for(client: TestClient, path: str, status: int) -> None:
 def test_loading_then_ready_then_dead(default_model_dir, monkeypatch) -> None:
     release = threading.Event()
     real = server_module.LLMEngine
+    built = []
 
     def slow_engine(config):
         release.wait(30)
-        return real(config)
+        built.append(real(config))
+        return built[-1]
 
     monkeypatch.setattr(server_module, "LLMEngine", slow_engine)
     asgi = create_app(ServerSettings(engine=EngineConfig(model=str(default_model_dir), kv_cache_memory="32MiB")))
@@ -43,8 +45,8 @@ def test_loading_then_ready_then_dead(default_model_dir, monkeypatch) -> None:
         wait_for(client, "/ready", 200)
         assert client.post("/v1/chat/completions", json=body).status_code == 200
 
-        engine = client.app.app.state.minillm.engine  # ServerMiddleware wraps the Starlette app
-        engine.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        [llm] = built  # the engine the server built: break its step
+        llm.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
         dead = client.post("/v1/chat/completions", json=body)
         assert dead.status_code in (200, 503)  # the loop dies on this request's first step
         wait_for(client, "/health", 503)

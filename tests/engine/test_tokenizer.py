@@ -296,8 +296,10 @@ def test_eos_token_ids_include_generation_config_list(default_model_dir: Path, t
 
 
 def test_chat_template_ends_in_the_assistant_header(tokenizer: Tokenizer) -> None:
+    assert tokenizer.has_chat_template
     ids = tokenizer.apply_chat_template(CHAT)
-    header = tokenizer.hf("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert header == tokenizer.hf("<|im_start|>assistant\n", add_special_tokens=False).input_ids
     assert ids[-len(header) :] == header
     assert tokenizer.decode(ids, skip_special_tokens=False) == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
@@ -312,6 +314,7 @@ def test_model_without_chat_template_rejects_messages(default_model_dir: Path, t
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert "chat_template" not in config
     tokenizer = Tokenizer.from_dir(model_dir)
+    assert not tokenizer.has_chat_template
     assert tokenizer.encode("hi") == Tokenizer.from_dir(default_model_dir).encode("hi")
     with pytest.raises(InvalidRequestError) as info:
         tokenizer.apply_chat_template(CHAT)
