@@ -2,18 +2,19 @@
 projection shapes, at decode row counts (M = 1 and 8).
 
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
-    python3 bench/quant_kernels.py --int4-one-row   # the INT4 stream GEMV's tilings, as decode calls it
+    python3 bench/quant_kernels.py --int4-one-row   # the INT4 one-row GEMV's tilings, as decode calls it
 
 With --int4-one-row, each projection runs as batch-1 decode calls it (QKV and gate/up scaling by
 the norm factor, gate/up storing SiLU·up, O and down ending in the add-norm epilogue) through the
-stream GEMV at several tilings, 16 calls in a CUDA graph with
-programmatic dependent launch, µs a call (median of 20 replays): what STREAM_WEIGHTS and
-stream_gemv_config are chosen by.
+GEMV at several tilings, 16 calls in a CUDA graph with programmatic dependent launch, µs a call
+(median of 20 replays): what kernels/split_k.py's LARGE_TILING_MIN_WEIGHTS and
+kernels/int4_linear.py's gemv_config are chosen by.
 
 Each figure is the median of 50 CUDA-event timings of one call (after warm-up; the host's launch
-time is kept out by a sleep kernel queued first), with L2 flushed before each call so that the weights come from HBM as they do in a decode step. Effective GB/s is
-the bytes the call must move (the weight with its scales and zeros, x and y) over that time;
-"x bf16" is the speed-up over F.linear.
+time is kept out by a sleep kernel queued first), with L2 flushed before each call so that the
+weights come from HBM as they do in a decode step. Effective GB/s is the bytes the call must move
+(the weight with its scales and zeros, x and y) over that time; "x bf16" is the speed-up over
+F.linear.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import int4_linear as int4_module  # noqa: E402
 from kernels.dispatch import programmatic_launches  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
-from kernels.int4_linear import int4_linear, int4_linear_add_norm, pack_int4  # noqa: E402
+from kernels.int4_layout import pack_int4  # noqa: E402
+from kernels.int4_linear import int4_linear, int4_linear_add_norm  # noqa: E402
 from kernels.rmsnorm import NormScale  # noqa: E402
 
 # (K, N) of Llama-3.2-1B's merged QKV, O, merged gate/up and down projections.
@@ -40,8 +42,8 @@ SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "dow
 ROWS = (1, 8)
 REPS = 50
 GROUP_SIZE = 128
-# The stream GEMV's tilings timed by --int4-one-row: (rows a program, words a step, warps); the first
-# two are stream_gemv_config's for large and small weights.
+# The GEMV's tilings timed by --int4-one-row: (rows a program, words a step, warps); the first two
+# are gemv_config's for large and small weights.
 ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 2), (8, 256, 4), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
                    (16, 128, 2), (8, 128, 1), (32, 64, 2), (16, 32, 1))
 
@@ -62,15 +64,15 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def one_row_tiling(tiling: tuple[int, int, int]):
-    """The INT4 stream GEMV on one tiling for a while, whatever the weight's size."""
-    saved = int4_module.stream_gemv_config
+    """The INT4 one-row GEMV on one tiling for a while, whatever the weight's size."""
+    saved = int4_module.gemv_config
     rows, words, warps = tiling
-    int4_module.stream_gemv_config = lambda out_features, in_features, group_size: dict(
+    int4_module.gemv_config = lambda out_features, in_features, group_size: dict(
         ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1)
     try:
         yield
     finally:
-        int4_module.stream_gemv_config = saved
+        int4_module.gemv_config = saved
 
 
 def graph_us(fn, calls: int = 16, reps: int = 20) -> float:

@@ -1,13 +1,14 @@
-"""What the INT4 stream GEMV compiles to for the H200 (sm_90), without a GPU: the installed Triton
+"""What the INT4 one-row GEMV compiles to for the H200 (sm_90), without a GPU: the installed Triton
 compiles the kernel for compute capability 9.0 with the bundled ptxas, cuobjdump disassembles it,
 and the loop (the longest backward branch) is counted. Instructions a weight = the loop's count
 over the weights one thread reads a step. Not a timing: the GPU machine's Triton (3.6) may lay the
-kernel out otherwise than another version does (see kernels/int4_linear.py's stream kernel), so
+kernel out otherwise than another version does (see kernels/int4_linear.py's _int4_gemv_kernel), so
 compare with PYTHONPATH pointing at the same Triton version as the GPU's.
 
     python bench/sass_count.py                       # group sizes 32 and 128, plain / SiLU·up / add-norm
     PYTHONPATH=/tmp/triton36 python bench/sass_count.py --group-sizes 128
     python bench/sass_count.py --json counts.json   # the counts as JSON too
+    python bench/sass_count.py --check              # exit 1 if a loop is over MAX_PER_WEIGHT a weight
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.int4_linear import _int4_stream_gemv_kernel, stream_gemv_config  # noqa: E402
+from kernels.int4_linear import _int4_gemv_kernel, gemv_config  # noqa: E402
 
 # The kernel's arguments as the decode step passes them: bf16 activations, pointers and the integer
 # arguments divisible by 16, which Triton's launcher specializes on as it does at run time.
@@ -41,6 +42,9 @@ SIGNATURE = {
 LARGE = (16384, 2048)  # Llama-3.2-1B's gate/up [N, K]: the large weights' tiling, the issue-bound one
 NOT_DIVISIBLE = {"in_parts", "eps"}
 VARIANTS = {"plain": {}, "silu-mul": {"SILU_MUL": True}, "add-norm": {"ADD_NORM": True, "SPLIT_K": 8}}
+# The loop's budget: each thread on 8 rows of 4 adjacent words, each x value serving 8 rows (the
+# kernel's tiling does that; a tiling that gives a thread fewer rows goes well over it).
+MAX_PER_WEIGHT = 4.3
 _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
@@ -74,12 +78,12 @@ def loop_of(sass: str) -> list[str]:
 
 
 def count(group_size: int, constants: dict[str, object]) -> Count:
-    cfg = stream_gemv_config(*LARGE, group_size)
+    cfg = gemv_config(*LARGE, group_size)
     constexprs = dict(HAS_BIAS=False, GROUP=group_size, ROWS=cfg["ROWS"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=1,
                       SILU_MUL=False, NORM_IN=False, ADD_NORM=False, PDL=True) | constants
     signature = SIGNATURE | {name: "constexpr" for name in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(SIGNATURE) if name not in NOT_DIVISIBLE}
-    kernel = triton.compile(ASTSource(fn=_int4_stream_gemv_kernel, signature=signature, constexprs=constexprs,
+    kernel = triton.compile(ASTSource(fn=_int4_gemv_kernel, signature=signature, constexprs=constexprs,
                                       attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=1))
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--group-sizes", type=lambda s: [int(g) for g in s.split(",")], default=[32, 128])
     p.add_argument("--json", type=Path, help="also write the counts here")
+    p.add_argument("--check", action="store_true",
+                   help=f"exit 1 if a loop takes over {MAX_PER_WEIGHT} instructions a weight, or is not the GEMV's")
     args = p.parse_args(argv)
-    rows = []
+    rows, failed = [], []
     print(f"triton {triton.__version__}, sm_90\n")
     print("| group size | variant | loop instructions | weights a thread a step | per weight | registers | most frequent |")
     print("|---:|---|---:|---:|---:|---:|---|")
@@ -107,8 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"group_size": group_size, "variant": name, "triton": triton.__version__} | asdict(c))
             mix = ", ".join(f"{op} {n}" for op, n in c.mix)
             print(f"| {group_size} | {name} | {c.loop} | {c.weights} | {c.per_weight:.2f} | {c.registers} | {mix} |")
+            if dict(c.mix).get("FFMA", 0) < c.weights:  # an FMA a weight, else the loop found is not the GEMV's
+                failed.append(f"group size {group_size}, {name}: fewer FFMAs than weights in the loop found")
+            elif c.per_weight >= MAX_PER_WEIGHT:
+                failed.append(f"group size {group_size}, {name}: {c.per_weight:.2f} instructions a weight")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.check and failed:
+        print(f"\nover budget (MAX_PER_WEIGHT = {MAX_PER_WEIGHT}):", *failed, sep="\n  ", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -25,7 +25,6 @@ from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
-from kernels.decode_attention import num_splits_for
 from kernels.dispatch import programmatic_launches, to_device
 
 log = logging.getLogger("minillm.engine")
@@ -51,11 +50,8 @@ class _DecodeGraph:
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
         self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)  # inputs[3] as int32, inside the graph
         self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
-        self.meta = AttentionMetadata(
-            slot_mapping=self.slots, query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
-            seq_lens=self.seq_lens, block_tables=self.tables, query_lens_cpu=[1] * batch, seq_lens_cpu=[1] * batch,
-            num_splits=num_splits_for(batch, runner.model.num_kv_heads),
-        )
+        self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
+                                                       runner.model.num_kv_heads)
         model, kv = runner.model, runner.kv_cache
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
 
@@ -209,20 +205,8 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if step.graph_batch is not None:
             return self.graphs[step.graph_batch].run(step, self.scratch_slot, self.scratch_block, prev)
-        tables, n = step.block_tables, len(step.block_tables)
-        width = max(len(t) for t in tables)
-        query_start = [0]
-        for q in step.query_lens:
-            query_start.append(query_start[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(step.slots, torch.int64),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            seq_lens=self._tensor(step.seq_lens, torch.int32),
-            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(n, width),
-            query_lens_cpu=step.query_lens,
-            seq_lens_cpu=step.seq_lens,
-            num_splits=num_splits_for(n, self.model.num_kv_heads),
-        )
+        meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
+                                           self.model.num_kv_heads, self.device)
         ids = self._tensor(step.input_ids, torch.int64)
         if prev is not None:
             ids = resolve_placeholders(ids, prev)

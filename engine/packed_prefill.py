@@ -1,5 +1,5 @@
 """Whole token sequences through the decoder, outside the engine: no scheduler and no prefix cache,
-just one prefill per sequence into a scratch KV cache. Calibration (engine/quantize.py) and the
+just one prefill per sequence into a scratch KV cache. Calibration (engine/quantization/) and the
 perplexity benchmark (bench/perplexity.py) use it."""
 from __future__ import annotations
 
@@ -29,18 +29,9 @@ def pack_sequences(model: DecoderModel, sequences: list[list[int]], num_layers: 
     lengths = [len(s) for s in sequences]
     blocks = [-(-n // block_size) for n in lengths]
     first = [sum(blocks[:b]) for b in range(len(blocks))]
-    width = max(blocks)
-    tables = [list(range(f, f + n)) + [0] * (width - n) for f, n in zip(first, blocks)]
+    tables = [list(range(f, f + n)) for f, n in zip(first, blocks)]
     slots = [f * block_size + p for f, n in zip(first, lengths) for p in range(n)]
-    starts = [sum(lengths[:b]) for b in range(len(lengths) + 1)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        query_lens_cpu=lengths,
-        seq_lens_cpu=lengths,
-    )
+    meta = AttentionMetadata.from_host(slots, lengths, lengths, tables, model.num_kv_heads, device)
     if model.cos_sin is None or model.cos_sin.shape[0] < max(lengths):
         model.init_rope(max(lengths))
     kv = torch.zeros(num_layers or cfg.num_layers, 2, sum(blocks), block_size, model.num_kv_heads, cfg.head_dim,

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.decode_attention import decode_attention_triton
-from kernels.dispatch import use_triton
+from kernels.decode_attention import decode_attention_triton, num_splits_for
+from kernels.dispatch import to_device, use_triton
 from kernels.prefill_attention import prefill_attention_triton
 
 
@@ -20,6 +20,9 @@ class AttentionMetadata:
     Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; its keys are its first
     seq_lens[b] tokens, already in the cache at the slots its block table names. Its queries are
     the last (query length) of those tokens, so attention is causal with an offset.
+
+    Built by `from_host` (a batch given as host lists) or `for_decode_graph` (a CUDA graph's static
+    buffers), which both choose decode attention's split count for the device.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
@@ -34,6 +37,38 @@ class AttentionMetadata:
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens_cpu)
 
+    @classmethod
+    def from_host(cls, slots: list[int], query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  num_kv_heads: int, device: torch.device) -> AttentionMetadata:
+        """A batch's metadata from host lists (the block tables padded with block 0 to the longest),
+        copied to `device` behind its queued work: no host sync."""
+        width = max(len(t) for t in block_tables)
+        return cls(
+            slot_mapping=to_device(slots, torch.int64, device),
+            query_start_loc=to_device([0, *itertools.accumulate(query_lens)], torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device([t + [0] * (width - len(t)) for t in block_tables], torch.int32, device),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            num_splits=num_splits_for(len(seq_lens), num_kv_heads, device),
+        )
+
+    @classmethod
+    def for_decode_graph(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                         num_kv_heads: int) -> AttentionMetadata:
+        """One query per sequence over a CUDA graph's static buffers, which every replay reads (the
+        caller refills them): slot_mapping [B] int64, seq_lens [B] int32, block_tables [B, max_blocks]
+        int32. The host lengths are placeholders: decode attention reads only the device ones."""
+        batch, device = seq_lens.shape[0], seq_lens.device
+        return cls(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            query_lens_cpu=[1] * batch,
+            seq_lens_cpu=[1] * batch,
+            num_splits=num_splits_for(batch, num_kv_heads, device),
+        )
 
 
 def paged_attention_ref(

@@ -2,9 +2,9 @@
 
 One program per (sequence, KV head, split): it reads its KV tiles (64 tokens over several blocks)
 once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
-and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts are spread over splits so that a
-small batch still fills the GPU. Only device tensors are read (no host syncs), so it can be
-captured in a CUDA graph for a fixed batch size and number of splits.
+and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts
+are spread over splits so that a small batch still fills the GPU. Only device tensors are read (no
+host syncs), so it can be captured in a CUDA graph for a fixed batch size and number of splits.
 """
 from __future__ import annotations
 
@@ -12,49 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import launch_options, programmatic_launch, wait_for_previous_kernel
-
-
-@triton.jit
-def kv_tile_offsets(table_ptr, kv_head, tok, valid, stride_c_blk, stride_c_pos, stride_c_kv,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Offsets [T, D] into the K (or V) cache of one KV head at token positions tok (valid where in
-    range), gathered across KV blocks through one sequence's block table."""
-    dims = tl.arange(0, HEAD_DIM)
-    block = tl.load(table_ptr + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    return (block * stride_c_blk + (tok % BLOCK_SIZE) * stride_c_pos + kv_head * stride_c_kv)[:, None] + dims[None, :]
-
-
-@triton.jit
-def attend(q, k, v, seen, m, l, acc, scale, IEEE: tl.constexpr):
-    """One online-softmax step of flash attention: the query rows q [R, D] against keys k and values
-    v [T, D]; `seen` [R, T] masks what each row may attend to. Returns the updated (m, l, acc)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(seen, s * scale, float("-inf"))  # [R, T]
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen, m, l, acc, scale,
-                   stride_c_blk, stride_c_pos, stride_c_kv,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
-    """`attend` over the cached keys and values at positions tok (valid where in range)."""
-    kv_offs = kv_tile_offsets(table_ptr, kv_head, tok, valid, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE,
-                              HEAD_DIM)
-    k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0)  # [T, D]
-    v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0)
-    return attend(q, k, v, seen, m, l, acc, scale, IEEE)
+from kernels.attention_tile import attend, attend_kv_tile, kv_tile_offsets
+from kernels.dispatch import launch_options, programmatic_launch, sm_count, wait_for_previous_kernel
 
 
 @triton.jit
@@ -131,10 +90,11 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride
     tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits_for(batch: int, num_kv_heads: int, sm_count: int = 132) -> int:
-    """Enough splits that batch × kv heads × splits programs cover the GPU about twice. It depends
-    on the batch shape only, so a CUDA graph captured for a batch size keeps it."""
-    return max(1, min(32, -(-2 * sm_count // (batch * num_kv_heads))))
+def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough splits (at most 32) that batch × kv heads × splits programs cover the device's SMs
+    about twice. It depends on the batch shape only, so a CUDA graph captured for a batch size
+    keeps it."""
+    return max(1, min(32, -(-2 * sm_count(device) // (batch * num_kv_heads))))
 
 
 def decode_attention_triton(

@@ -1,5 +1,6 @@
 """Which implementation of a kernel runs (Triton on CUDA, the torch reference elsewhere), and how
-our Triton kernels are launched (programmatic dependent launch)."""
+our Triton kernels are launched (the SM count their grids are sized by, programmatic dependent
+launch)."""
 from __future__ import annotations
 
 import functools
@@ -25,13 +26,26 @@ def use_triton(t: torch.Tensor) -> bool:
 @contextmanager
 def reference_kernels() -> Iterator[None]:
     """Inside, every kernel runs its torch reference, on any device: what autograd differentiates
-    (engine/quantize.py's end-to-end tuning), where the Triton kernels have no backward."""
+    (engine/quantization/tuning.py's end-to-end tuning), where the Triton kernels have no backward."""
     global _reference_only
     previous, _reference_only = _reference_only, True
     try:
         yield
     finally:
         _reference_only = previous
+
+
+# Off CUDA (Triton's interpreter) grids are sized as on an H200, so CPU tests split as the GPU does.
+REFERENCE_SM_COUNT = 132
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, by which split-K and decode attention size their
+    grids; REFERENCE_SM_COUNT off CUDA."""
+    if device.type != "cuda":
+        return REFERENCE_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -46,11 +60,8 @@ def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> 
 # On Hopper and later a kernel launched with PDL may start while the kernel before it is still
 # finishing: its programs are placed on the SMs and wait, at their first line, for the previous
 # kernel's writes. That hides part of the launch-to-start gap between two short kernels, where a
-# batch-1 decode step of ~170 kernels spends much of its time. H200, Llama-3.2-1B shape, decode
-# tok/s at batch 1 without and with it (one commit, 3c88170's kernels): bf16 873 and 900, FP8 964 and
-# 1,042, INT4 1,113 and 1,171 (cuBLAS's GEMMs never let their successor start early, hence the
-# smaller bf16 gain). It is used
-# where it was measured, inside the decode steps' CUDA graphs; eager launches (prefill) stay plain.
+# batch-1 decode step spends much of its time. It is used inside the decode steps' CUDA graphs,
+# where it pays (docs/performance.md, "Kernel notes"); eager launches (prefill) stay plain.
 _programmatic_launch = False
 
 
@@ -86,9 +97,8 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     """Called early in every kernel that takes PDL: wait until the previous kernel's writes are
     visible (nothing it may write can be read, and nothing written, before; the one-row GEMVs read
     their first weights before it, decode attention its older keys and values), then let the next
-    kernel launch. Letting it
-    launch before waiting lets a chain of kernels fill the SMs with waiting programs, which then
-    crowd out the running kernel's later waves (12% slower decode at batch 8 on the H200)."""
+    kernel launch. Letting it launch before waiting lets a chain of kernels fill the SMs with
+    waiting programs, which then crowd out the running kernel's later waves."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

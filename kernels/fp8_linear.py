@@ -4,7 +4,7 @@ output channel (a per-tensor scale is the same value for every channel), W = w_f
 Two GPU paths:
   - w8a16 Triton kernels (decode, M <= 16, and prefill where the next path is unavailable): a
     one-row kernel over int32 words of four e4m3 bytes (M = 1), and a tile GEMM with
-    kernels/int4_linear.py's tiling and split-K. Both read the weight once, decode e4m3 in registers
+    kernels/split_k.py's tiling and split-K, as INT4's. Both read the weight once, decode e4m3 in registers
     with integer ops (exact; no fp8 loads, so Triton's CPU interpreter runs them too; on Ada and
     Hopper the one-row kernel uses the hardware's e4m3 conversion instead), accumulate in float32
     and apply the channel scale once at the end.
@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import activation, int4_linear
+from kernels import activation
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.int4_linear import (add_norm_operands, gemv_split, matmul_config, norm_arguments, norm_factor,
-                                 one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
-                                 sum_splits, tile_coords)
 from kernels.rmsnorm import NormScale, add_norm_ref
+from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
+                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
+                             sum_splits, tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -95,8 +95,8 @@ SIGN_EXP_MAN = 0x87F00000 - 2**32  # as a signed int32: a kernel argument, so th
 @triton.jit
 def _e4m3x4_to_f32(words):
     """The four e4m3 bytes of each int32 as four float32 tensors (byte j → the j-th), exactly, by
-    Hopper's cvt.rn.f16x2.e4m3x2 (two bytes an instruction) and f16 → f32 conversions: 2.5
-    instructions a weight with the FMA, against 4 for the shifts-and-mask decode."""
+    Hopper's cvt.rn.f16x2.e4m3x2 (two bytes a conversion) and f16 → f32 conversions: less work a
+    weight than the shifts-and-mask decode."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b16 lo, hi, a, b, c, d;
@@ -212,16 +212,13 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
-    """_fp8_gemv_kernel's tiling by weight size, split as the INT4 one-row kernels are
-    (kernels/int4_linear.py's STREAM_WEIGHTS). A small weight (Llama-3.2-1B's QKV and O) takes
-    4 rows a program of 4 warps, 2,048 input features a step and no split: many small programs
-    that load their whole rows before the wait for the previous kernel and end without split-K's
-    partial sums (FP8 decode at batch 1 1,435 → 1,494 tok/s on the H200, two rounds in one call; 2 or
-    8 warps, 2 or 8 rows and 1,024 features a step all ran 1,426-1,443). A large one takes 16 rows a
-    program of 2 warps, 64 words (256 bytes) of each per step, split along K up to ~8 programs per
-    SM (best of H200 sweeps at Llama-3.2-1B's gate/up and down; with the hardware decode, 2 warps
-    against 4 took a decode step 0.82 → 0.77 ms)."""
-    if out_features * in_features < int4_linear.STREAM_WEIGHTS:
+    """_fp8_gemv_kernel's tiling by weight size, split as the INT4 one-row kernel's is
+    (kernels/split_k.py's large_tiling). A small weight (Llama-3.2-1B's QKV and O) takes 4 rows a
+    program of 4 warps, 2,048 input features a step and no split: many small programs that load
+    their whole rows before the wait for the previous kernel and end without split-K's partial
+    sums. A large one takes 16 rows a program of 2 warps, 64 words (256 bytes) of each per step,
+    split along K up to ~8 programs per SM. The sweeps behind both: docs/performance.md."""
+    if not large_tiling(out_features, in_features):
         return dict(ROWS=4, BLOCK_W=min(512, triton.next_power_of_2(in_features // 4)), num_warps=4, split=False)
     return dict(ROWS=16, BLOCK_W=64, num_warps=2, split=True)
 

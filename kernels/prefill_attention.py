@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import attend_kv_tile
+from kernels.attention_tile import attend_kv_tile
 
 
 @triton.jit

@@ -15,7 +15,8 @@ from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels import activation
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, quantize_fp8
-from kernels.int4_linear import dequantize_int4, int4_linear, int4_linear_add_norm, repack_awq
+from kernels.int4_layout import dequantize_int4, repack_awq
+from kernels.int4_linear import int4_linear, int4_linear_add_norm
 from kernels.rmsnorm import NormScale, add_norm_ref
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata, paged_attention_ref
-from kernels.decode_attention import decode_attention_triton, num_splits_for
+from kernels.decode_attention import decode_attention_triton
 from kernels.prefill_attention import prefill_attention_triton
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -24,16 +24,9 @@ def batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch
     v_cache = torch.randn_like(k_cache)
     free = torch.randperm(NUM_BLOCKS).tolist()
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n, _ in shapes]
-    width = max(map(len, tables))
     q_lens = [q for _, q in shapes]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([n for n, _ in shapes], dtype=torch.int32, device="cuda"),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda"),
-        query_lens_cpu=q_lens, seq_lens_cpu=[n for n, _ in shapes],
-        num_splits=num_splits_for(len(shapes), kv_heads),
-    )
+    meta = AttentionMetadata.from_host([0] * sum(q_lens), q_lens, [n for n, _ in shapes], tables, kv_heads,
+                                       torch.device("cuda"))
     q = torch.randn(sum(q_lens), heads, HEAD_DIM, device="cuda", dtype=dtype)
     return q, k_cache, v_cache, meta
 

@@ -15,7 +15,8 @@ from kernels.fp8_linear import (
     FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token,
     use_scaled_mm,
 )
-from kernels.int4_linear import GEMM_ROWS, int4_linear, int4_linear_add_norm, int4_linear_ref, pack_awq, repack_awq
+from kernels.int4_layout import pack_awq, repack_awq
+from kernels.int4_linear import TILE_GEMM_MAX_ROWS, int4_linear, int4_linear_add_norm, int4_linear_ref
 from kernels.rmsnorm import rms_norm
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -71,7 +72,7 @@ def test_int4_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> N
 @pytest.mark.parametrize("shape", [SHAPES["o"], SHAPES["down"]], ids=["o", "down"])
 def test_int4_large_prefill_dequantizes_then_multiplies(shape: tuple[int, int]) -> None:
     w4 = int4_weight(*shape)
-    x = torch.randn(GEMM_ROWS + 77, shape[0], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(TILE_GEMM_MAX_ROWS + 77, shape[0], device="cuda", dtype=torch.bfloat16)
     assert rel_err(int4_linear(x, *w4, 128), int4_linear_ref(x, *w4, 128)) < 1e-2
 
 
@@ -215,7 +216,7 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> None:
-    """Batch-1 decode's folded norm: o_proj and down_proj (int4: the stream GEMV's small and
+    """Batch-1 decode's folded norm: o_proj and down_proj (int4: the GEMV's small and
     large tilings, split along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
     NormScale; against rms_norm between the plain projections. Then the chain replayed in a CUDA
     graph with PDL gives the eager chain's output bit for bit."""

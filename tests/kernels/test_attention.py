@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import AttentionMetadata, paged_attention
+from kernels.decode_attention import num_splits_for
+
+CPU = torch.device("cpu")
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -34,15 +36,28 @@ def test_mixed_prefill_chunks_and_decodes_match_dense_attention() -> None:
         q = torch.randn(q_len, heads, dim, generator=gen)
         queries.append(q)
         expected.append(dense_attention(q, k, v, dim**-0.5))
-    width = max(map(len, tables))
     q_lens = [q for _, q in shapes]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),  # unused by attention itself
-        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32),
-        seq_lens=torch.tensor([s for s, _ in shapes], dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=[s for s, _ in shapes],
-    )
+    slots = [0] * sum(q_lens)  # unused by attention itself
+    meta = AttentionMetadata.from_host(slots, q_lens, [s for s, _ in shapes], tables, kv_heads, CPU)
     out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, dim**-0.5)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_from_host_lists() -> None:
+    meta = AttentionMetadata.from_host([5, 6, 7, 40], [3, 1], [3, 9], [[1], [4, 2, 8]], num_kv_heads=2, device=CPU)
+    assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == [5, 6, 7, 40]
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == meta.block_tables.dtype == torch.int32
+    assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.seq_lens.tolist() == [3, 9]
+    assert meta.block_tables.tolist() == [[1, 0, 0], [4, 2, 8]]  # padded with block 0
+    assert meta.query_lens_cpu == [3, 1] and meta.seq_lens_cpu == [3, 9] and not meta.decode_only
+    assert meta.num_splits == num_splits_for(2, 2, CPU)
+
+
+def test_metadata_for_a_decode_graph_reads_its_static_buffers() -> None:
+    slots, lens = torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int32)
+    tables = torch.zeros(4, 8, dtype=torch.int32)
+    meta = AttentionMetadata.for_decode_graph(slots, lens, tables, num_kv_heads=8)
+    # The very tensors: every replay of the graph reads what the runner copied into them.
+    assert meta.slot_mapping is slots and meta.seq_lens is lens and meta.block_tables is tables
+    assert meta.decode_only and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.num_splits == num_splits_for(4, 8, CPU) == 9

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.int4_linear as int4_linear_module
+import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.fp8_linear import (
     FP8, FP8_MAX, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, gemv_config, quantize_fp8, quantize_per_token,
     use_scaled_mm,
 )
-from kernels.int4_linear import _TILE_COUNTS, gemv_split
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
+from kernels.split_k import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
@@ -36,11 +36,11 @@ def test_quantize_per_token() -> None:
     torch.testing.assert_close(xq.float() * scale, x, rtol=2**-4, atol=0)
 
 
-@pytest.mark.parametrize("rows, stream", [(1, False), (1, True), (16, False)], ids=["gemv", "gemv-stream", "gemm"])
-def test_kernel_decodes_every_e4m3_value_exactly(triton_interpreter, monkeypatch, rows, stream) -> None:
+@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (16, False)], ids=["gemv", "gemv-large", "gemm"])
+def test_kernel_decodes_every_e4m3_value_exactly(triton_interpreter, monkeypatch, rows, large) -> None:
     """x = one-hot rows picks out weight columns: out must equal the decoded bytes bit for bit
     (subnormals and negatives included; the two NaN bytes are left out)."""
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     codes = torch.arange(256, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0
     weight = codes.view(16, 16).view(FP8)  # [N, K]
@@ -51,11 +51,11 @@ def test_kernel_decodes_every_e4m3_value_exactly(triton_interpreter, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, stream", [(1, False), (1, True), (3, False), (33, False)],
-                         ids=["gemv", "gemv-stream", "few-rows", "gemm"])
+@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (3, False), (33, False)],
+                         ids=["gemv", "gemv-large", "few-rows", "gemm"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp8_linear_matches_reference(triton_interpreter, monkeypatch, dtype, rows, stream, with_bias) -> None:
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+def test_fp8_linear_matches_reference(triton_interpreter, monkeypatch, dtype, rows, large, with_bias) -> None:
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(rows)
     in_features, out_features = 160, 200  # a partial K tile and a partial column tile
     weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
@@ -89,7 +89,7 @@ def test_one_row_tiling_by_weight_size() -> None:
 def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter, monkeypatch) -> None:
     # 48 rows are 3 row tiles of the large weights' tiling: far under four programs per SM, so K
     # (1,024: 256 words) is split.
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
     gen = torch.Generator().manual_seed(6)
     weight, scale = quantize_fp8(torch.randn(48, 1024, generator=gen) * 1024**-0.5)
     x = torch.randn(1, 1024, generator=gen)
@@ -101,16 +101,16 @@ def test_fp8_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_inte
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, stream, in_features, out_features",
+@pytest.mark.parametrize("rows, large, in_features, out_features",
                          [(1, False, 256, 202), (1, True, 256, 200), (1, True, 1024, 48), (3, True, 256, 200)],
-                         ids=["partial-pairs", "stream-partial-pairs", "stream-split-k", "gemm"])
+                         ids=["partial-pairs", "large-partial-pairs", "large-split-k", "gemm"])
 def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, monkeypatch, dtype, rows,
-                                                                    stream, in_features, out_features) -> None:
+                                                                    large, in_features, out_features) -> None:
     # One row: SiLU·up in the one-row kernel's epilogue (101 outputs in 2-pair tiles or 100 in
     # 8-pair tiles, the last partial; or 24 outputs in 3 tiles split along K), after rounding gate
     # and up to x's dtype, so bit for bit the projection followed by silu_mul. More rows: the
     # activation kernel after the GEMM.
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features + rows)
     weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
@@ -124,14 +124,14 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stream, in_features, out_features", [(False, 256, 202), (True, 256, 200), (True, 256, 208),
+@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 202), (True, 256, 200), (True, 256, 208),
                                                                (True, 4096, 48)],
-                         ids=["small", "stream-partial-tile", "stream", "stream-split-k"])
-def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, stream,
+                         ids=["small", "large-partial-tile", "large", "large-split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, large,
                                                             in_features, out_features) -> None:
     # As tests/kernels/test_int4_linear.py's: the one-row kernel's add-norm epilogue is add_norm_ref
     # on its own projection, and the NormScale's factor on the next one's outputs is that factor on x.
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if stream else 1 << 30)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight, scale = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * in_features**-0.5)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -142,7 +142,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
         u, h, norm = fp8_linear_add_norm(x, weight, scale, bias, residual, norm_w, 1e-5)
     ref_u, ref_h, ref_norm = add_norm_ref(fp8_linear(x, weight, scale, bias), residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    assert norm.sumsq.shape == (-(-out_features // (16 if stream else 4)),)
+    assert norm.sumsq.shape == (-(-out_features // (16 if large else 4)),)
     torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(fp8_linear(x, weight, scale, bias), norm_w, 1e-5, residual)[0],
                                **TOLERANCE[dtype])

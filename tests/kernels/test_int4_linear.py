@@ -1,26 +1,24 @@
-"""AWQ's 4-bit packing, its repacking into the runtime layout, and the Triton INT4 linear kernels
-against the torch reference on CPU through Triton's interpreter (float32 and float16; the
-interpreter gets bfloat16 wrong)."""
+"""The Triton INT4 linear kernels against the torch reference on CPU through Triton's interpreter
+(float32 and float16; the interpreter gets bfloat16 wrong)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels.int4_linear as int4_linear_module
+import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
-from kernels.int4_linear import (
-    _TILE_COUNTS, AWQ_ORDER, AWQ_REVERSE_ORDER, GEMM_ROWS, dequantize_awq, dequantize_int4, dequantize_int4_triton,
-    int4_linear, int4_linear_add_norm, int4_linear_ref, pack_awq, pack_int4, repack_awq, split_k_for, unpack_awq,
-    unpack_int4,
-)
+from kernels.int4_layout import dequantize_int4, pack_int4
+from kernels.int4_linear import (TILE_GEMM_MAX_ROWS, dequantize_int4_triton, int4_linear, int4_linear_add_norm,
+                                 int4_linear_ref)
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
+from kernels.split_k import _TILE_COUNTS, split_k_for
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-# The one-row (stream) kernel sums 1 + q * 2**-4 (not q) per weight in float32: about
+# The one-row kernel (GEMV) sums 1 + q * 2**-4 (not q) per weight in float32: about
 # 2**-20 of sum |x| lost (~1e-5 on these O(1) outputs; bfloat16 rounds them to 2**-9).
-STREAM_TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-5), torch.float16: TOLERANCE[torch.float16]}
+GEMV_TOLERANCE = {torch.float32: dict(atol=5e-5, rtol=1e-5), torch.float16: TOLERANCE[torch.float16]}
 
 
 def int4_weight(in_features: int, out_features: int, group_size: int,
@@ -30,67 +28,6 @@ def int4_weight(in_features: int, out_features: int, group_size: int,
     zeros = torch.randint(0, 16, (out_features, in_features // group_size), generator=gen).half()
     scales = (torch.rand(out_features, in_features // group_size, generator=gen) + 0.5) * 0.3 * in_features**-0.5
     return pack_int4(q), zeros, scales.half()
-
-
-# ---- the layout (torch only) --------------------------------------------------------------------
-
-
-def test_pack_unpack_round_trip() -> None:
-    values = torch.randint(0, 16, (5, 48), generator=torch.Generator().manual_seed(0))
-    packed = pack_awq(values)
-    assert packed.dtype == torch.int32 and packed.shape == (5, 6)
-    assert torch.equal(unpack_awq(packed), values.int())
-    assert torch.equal(pack_awq(torch.full((1, 8), 15)), torch.tensor([[-1]], dtype=torch.int32))  # bit 31 set
-
-
-def test_packing_follows_awq_order_literally() -> None:
-    values = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(1))
-    packed = pack_awq(values)
-    assert all(AWQ_ORDER[AWQ_REVERSE_ORDER[j]] == j for j in range(8))
-    for r in range(3):
-        for c in range(2):
-            word = 0
-            for i in range(8):  # nibble i holds column AWQ_ORDER[i] of the pack
-                word |= int(values[r, 8 * c + AWQ_ORDER[i]]) << (4 * i)
-            assert packed[r, c].item() & 0xFFFFFFFF == word
-            for j in range(8):  # column j sits in nibble AWQ_REVERSE_ORDER[j]
-                assert (word >> (4 * AWQ_REVERSE_ORDER[j])) & 0xF == values[r, 8 * c + j]
-
-
-def test_dequantize_is_q_minus_zero_times_scale_per_group() -> None:
-    gen = torch.Generator().manual_seed(2)
-    k, n, group = 6, 8, 2
-    q, z = torch.randint(0, 16, (k, n), generator=gen), torch.randint(0, 16, (k // group, n), generator=gen)
-    s = torch.rand(k // group, n, generator=gen).half()
-    w = dequantize_awq(pack_awq(q), pack_awq(z), s, group)
-    assert w.dtype == torch.float16
-    for i in range(k):
-        for j in range(n):
-            assert w[i, j].item() == ((q[i, j] - z[i // group, j]).half() * s[i // group, j]).item()
-
-
-def test_runtime_packing_puts_k_in_natural_nibble_order() -> None:
-    values = torch.randint(0, 16, (3, 24), generator=torch.Generator().manual_seed(5))
-    packed = pack_int4(values)
-    assert packed.dtype == torch.int32 and packed.shape == (3, 3)
-    assert torch.equal(unpack_int4(packed), values.int())
-    for c in range(3):
-        assert (packed[1, c].item() >> 4 * 5) & 0xF == values[1, 8 * c + 5]  # k = 8c + j in nibble j
-
-
-@pytest.mark.parametrize(("in_features", "out_features", "group_size"), [(256, 40, 32), (576, 24, 64), (1024, 16, 128)])
-def test_repacked_awq_dequantizes_to_the_same_weights(in_features, out_features, group_size) -> None:
-    gen = torch.Generator().manual_seed(in_features)
-    q = torch.randint(0, 16, (in_features, out_features), generator=gen)
-    z = torch.randint(0, 16, (in_features // group_size, out_features), generator=gen)
-    s = torch.rand(in_features // group_size, out_features, generator=gen).half()
-    weight, zeros, scales = repack_awq(pack_awq(q), pack_awq(z), s)
-    assert weight.shape == (out_features, in_features // 8) and weight.dtype == torch.int32
-    assert zeros.shape == scales.shape == (out_features, in_features // group_size)
-    assert zeros.dtype == scales.dtype == torch.float16
-    assert torch.equal(unpack_int4(weight), q.t().int())
-    assert torch.equal(dequantize_int4(weight, zeros, scales, group_size),
-                       dequantize_awq(pack_awq(q), pack_awq(z), s, group_size).t())
 
 
 # ---- the Triton kernels (interpreter) -----------------------------------------------------------
@@ -111,7 +48,7 @@ def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, ro
     # float32: against exact dequantization (the reference rounds W to the scales' float16).
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, ref, **(STREAM_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
+    torch.testing.assert_close(out, ref, **(GEMV_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,14 +56,14 @@ def test_int4_linear_matches_reference(triton_interpreter, dtype, group_size, ro
 @pytest.mark.parametrize("in_features, out_features", [(256, 200), (576, 72), (4096, 40)],
                          ids=["partial-rows", "partial-step", "split-k"])
 @pytest.mark.parametrize("large", [False, True], ids=["small-tiling", "large-tiling"])
-def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, group_size, in_features,
+def test_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, group_size, in_features,
                                        out_features, large) -> None:
     # The one-row kernel at either tiling (the large weights' forced at test sizes). 576 = 4.5 steps
     # of 128 features (2.25 of the small tiling's 256 words); 4,096 features against a few row tiles
     # are split along K, summed by the last split.
     if in_features % group_size:
         pytest.skip("the group size does not tile K")
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if large else 1 << 62)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 62)
     gen = torch.Generator().manual_seed(in_features + group_size)
     weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -134,18 +71,18 @@ def test_stream_gemv_matches_reference(triton_interpreter, monkeypatch, dtype, g
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, group_size, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), group_size, bias)
-    torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref, **GEMV_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_features, out_features", [(256, 200), (4096, 40)], ids=["partial-pairs", "split-k"])
-def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, monkeypatch, dtype, in_features,
+def test_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, monkeypatch, dtype, in_features,
                                                              out_features) -> None:
     # A merged gate/up weight [2 * 100, K]: 100 outputs, the last 8-pair tile partial; at 4,096
     # features the 20 outputs' 3 tiles are split along K. The fused epilogue rounds gate and up to
     # x's dtype first, so it matches the stored projection followed by silu_mul bit for bit.
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight, zeros, scales = int4_weight(in_features, out_features, 64, gen)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -156,14 +93,14 @@ def test_stream_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, 
     assert fused.shape == (1, out_features // 2) and torch.equal(fused, apart)
     exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
     ref = int4_linear_ref(x, weight, zeros, exact_scales, 64, bias, silu_mul=True)
-    torch.testing.assert_close(fused, ref, **STREAM_TOLERANCE[dtype])
+    torch.testing.assert_close(fused, ref, **GEMV_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
 
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_silu_mul_on_the_other_paths_is_the_activation_kernel(triton_interpreter, rows) -> None:
     gen = torch.Generator().manual_seed(rows)
-    weight, zeros, scales = int4_weight(256, 64, 32, gen)  # small: the stream GEMV's small tiling at one row
+    weight, zeros, scales = int4_weight(256, 64, 32, gen)  # small: the GEMV's small tiling at one row
     x = torch.randn(rows, 256, generator=gen)
     out = int4_linear(x, weight, zeros, scales, 32, silu_mul=True)
     assert torch.equal(out, silu_mul(int4_linear(x, weight, zeros, scales, 32)))
@@ -193,7 +130,7 @@ def test_int4_linear_masks_a_partial_k_tile(triton_interpreter, dtype, rows) -> 
     with nan_poisoned_allocations():
         out = int4_linear(x, weight, zeros, scales, 64, bias)
     ref = int4_linear_ref(x, weight, zeros, scales.to(torch.promote_types(dtype, scales.dtype)), 64, bias)
-    torch.testing.assert_close(out, ref, **(STREAM_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
+    torch.testing.assert_close(out, ref, **(GEMV_TOLERANCE if rows == 1 else TOLERANCE)[dtype])
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -218,13 +155,13 @@ def test_int4_linear_rejects_a_group_size_that_does_not_tile_k(triton_interprete
 @pytest.mark.parametrize(("in_features", "out_features", "group_size"), [(576, 40, 64), (256, 33, 32)])
 def test_prefill_dequantizes_with_triton_then_multiplies(triton_interpreter, dtype, in_features, out_features,
                                                          group_size) -> None:
-    """Past GEMM_ROWS rows the weight is dequantized by a Triton kernel (ragged tiles on both axes)."""
+    """Past TILE_GEMM_MAX_ROWS rows the weight is dequantized by a Triton kernel (ragged tiles on both axes)."""
     gen = torch.Generator().manual_seed(4)
     weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
     exact = scales.to(torch.promote_types(dtype, scales.dtype))  # float32: no rounding of W to float16
     torch.testing.assert_close(dequantize_int4_triton(weight, zeros, scales, group_size, dtype),
                                dequantize_int4(weight, zeros, exact, group_size).to(dtype), rtol=0, atol=0)
-    x = torch.randn(GEMM_ROWS + 3, in_features, generator=gen).to(dtype)
+    x = torch.randn(TILE_GEMM_MAX_ROWS + 3, in_features, generator=gen).to(dtype)
     torch.testing.assert_close(int4_linear(x, weight, zeros, scales, group_size),
                                int4_linear_ref(x, weight, zeros, exact, group_size), **TOLERANCE[dtype])
 
@@ -242,7 +179,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     # left as h * weight and a NormScale; the next projection applies its factor to its outputs.
     # Against add_norm_ref (same roundings: exact but for the sum of squares' order) and against
     # rms_norm followed by the projection (within the rounding of h * weight).
-    monkeypatch.setattr(int4_linear_module, "STREAM_WEIGHTS", 0 if large else 1 << 30)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight, zeros, scales = int4_weight(in_features, out_features, 64, gen)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
@@ -259,7 +196,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     assert scale.sumsq.shape == (tiles,) and scale.eps == 1e-5
     torch.testing.assert_close(scale.sumsq.sum(), ref_scale.sumsq.sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64, bias) + residual,
-                               **STREAM_TOLERANCE[dtype])
+                               **GEMV_TOLERANCE[dtype])
     normed, new_residual = rms_norm_ref(y, norm_w, 1e-5, residual)
     assert torch.equal(new_residual, h)
     torch.testing.assert_close(scale.apply(u), normed, **TOLERANCE[dtype])
@@ -271,7 +208,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     with nan_poisoned_allocations():
         out = int4_linear(u, w2, z2, s2, 16, bias, norm_in=scale)
     ref = int4_linear_ref(scale.apply(u), w2, z2, s2.to(torch.promote_types(dtype, s2.dtype)), 16, bias)
-    torch.testing.assert_close(out, ref, **STREAM_TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref, **GEMV_TOLERANCE[dtype])
 
 
 def test_norm_in_and_add_norm_off_the_kernels_are_the_reference() -> None:

@@ -1,0 +1,217 @@
+"""What the weight-only linear kernels (kernels/int4_linear.py, kernels/fp8_linear.py) share: how
+their grids are tiled and split along K, and the epilogues that sum the splits and store the result
+(bias, SiLU·up, and the add-norm that batch-1 decode folds into the projections).
+
+Split-K needs no second kernel: each split stores its float32 partial, and the last split of an
+output tile to finish sums them all (sum_splits). The one-row kernels (M = 1) are tiled by weight
+size (LARGE_TILING_MIN_WEIGHTS) and split along K only when their rows alone leave SMs idle.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import sm_count
+from kernels.rmsnorm import NormScale
+
+# Weights (N x K) from which the one-row kernels take their large tiling (large_tiling).
+LARGE_TILING_MIN_WEIGHTS = 8 << 20
+
+
+@triton.jit
+def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program_id(0), GROUP_M row tiles at a time so that neighbouring programs
+    share weight tiles in L2 (with one row tile, as in decode, pid_n is the program id)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    in_group = pid % (GROUP_M * num_n)
+    return first_m + in_group % rows_in_group, in_group // rows_in_group
+
+
+@triton.jit
+def sum_splits(acc, part_ptr, count_ptr, offs, mask, numel, SPLIT_K: tl.constexpr):
+    """Split-K without a second kernel (a launch less per projection): each split stores its float32
+    partial `acc` (at `offs` of a [SPLIT_K, numel] buffer) and counts itself in at its tile's
+    counter; the last split to arrive gets the sum of them all, the others a mask of False, so only
+    the last stores the result. It sets the counter back to zero for the next call (CUDA graph
+    replays included). Without split-K: (acc, mask) as they are."""
+    if SPLIT_K > 1:
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * numel + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count says so (release below)
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        mask = mask & last
+        acc = tl.zeros_like(acc)
+        for split in range(SPLIT_K):  # .cg: from L2, where the other SMs' partials are
+            acc += tl.load(part_ptr + split * numel + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tl.program_id(0), 0, mask=last)
+    return acc, mask
+
+
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] float32 result in out's dtype, bias added, its splits summed first."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    acc, mask = sum_splits(acc, part_ptr, count_ptr, offs, mask, M * N, SPLIT_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def one_row_rows(N, ROWS: tl.constexpr, SILU_MUL: tl.constexpr):
+    """(rows [ROWS], row_ok) of a one-row kernel's program over a weight [N, K]. With SILU_MUL (a
+    merged gate/up weight, whose output is SiLU(gate) * up [N / 2]: see store_one_row) they are the
+    program's ROWS / 2 gate rows, each followed by its up row N / 2 further on."""
+    r = tl.arange(0, ROWS)
+    if SILU_MUL:
+        pair = tl.program_id(0) * (ROWS // 2) + r // 2
+        rows = pair + (r % 2) * (N // 2)
+        row_ok = pair < N // 2
+    else:
+        rows = tl.program_id(0) * ROWS + r
+        row_ok = rows < N
+    return rows, row_ok
+
+
+@triton.jit
+def store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS: tl.constexpr,
+                  SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr):
+    """A one-row kernel's float32 outputs y [ROWS] for one_row_rows' rows, splits summed and bias
+    added, into out. With SILU_MUL, SiLU(gate) * up of each pair into out[pair]: gate and up are
+    rounded to out's dtype first, so the result is bit for bit what kernels/activation.py makes of
+    the stored projection, without its kernel."""
+    if SILU_MUL:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [ROWS // 2, 2]))
+        gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [ROWS // 2, 2]))
+        pairs = tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)
+        tl.store(out_ptr + pairs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
+    else:
+        store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
+    """A NormScale's factor (kernels/rmsnorm.py): rsqrt(sum of its `parts` sums of squares / hidden
+    + eps). Read from L2 (.cg): other SMs wrote them, in the kernel before."""
+    offs = tl.arange(0, PARTS)
+    total = tl.zeros([PARTS], dtype=tl.float32)
+    for i in range(0, parts, PARTS):
+        total += tl.load(sumsq_ptr + i + offs, mask=i + offs < parts, other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(total, axis=0) / hidden + eps)
+
+
+@triton.jit
+def add_norm_operands(rows, ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS: tl.constexpr):
+    """The add-norm epilogue's inputs for `rows` (ok: in range): (bias as float32, or 0.0, residual,
+    norm weight). Loaded before the wait for the previous kernel: the residual comes from an
+    add-norm two or more kernels back (decode: the projection before the previous one), which
+    finished before the previous kernel passed its own wait, so before this one was launched; it is
+    read from L2 (.cg), where those writes are. Bias and weight are never written."""
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+    norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
+    return bias, residual, norm_w
+
+
+@triton.jit
+def store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr):
+    """The add-norm epilogue (add_norm_ref) over a one-row kernel's final float32 outputs y for
+    `rows` (ok: those this program stores), with add_norm_operands' bias, residual and norm weight:
+    h = y + bias + residual into residual_out, h * norm weight into out, and the sum of h^2 over
+    these rows into sumsq[program_id(0)], one slot per row tile (the next projection sums them:
+    NormScale)."""
+    h = (y + bias).to(out_ptr.dtype.element_ty) + residual
+    tl.store(residual_out_ptr + rows, h, mask=ok)
+    tl.store(out_ptr + rows, h * norm_w, mask=ok)
+    hf = tl.where(ok, h.to(tl.float32), 0.0)
+    tl.store(sumsq_ptr + tl.program_id(0), tl.sum(hf * hf, axis=0), mask=tl.max(ok.to(tl.int32), axis=0) > 0)
+
+
+_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: split-K's arrival counters
+
+
+def split_workspace(out: torch.Tensor, split_k: int, tiles: int, cols: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_splits' buffers for `out` [rows, cols]: the float32 partials [SPLIT_K, rows, cols] (cols
+    given when the partials are wider than out: before SiLU·up)
+    and the device's per-tile arrival counters (zero between calls; kernels on one stream never
+    overlap, so they share them). The counters are made on the first call, which precedes any graph
+    capture, and are never outgrown: K is split only on grids of fewer than four programs per SM.
+    Without split-K neither is read: `out` stands in for both."""
+    if split_k == 1:
+        return out, out
+    counts = _TILE_COUNTS.get(out.device)
+    if counts is None or counts.numel() < tiles:
+        counts = _TILE_COUNTS[out.device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=out.device)
+    shape = (out.shape[0], cols or out.shape[1])
+    return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), counts
+
+
+def split_k_for(rows: int, num_tiles: int, k_tiles: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT_K, K tiles per split) for a grid of `num_tiles` output tiles over `k_tiles` K tiles:
+    enough splits that about four programs run per SM, while the float32 partials (written and read
+    back: 8 * SPLIT_K * rows bytes per column) stay under the weight bytes (k / 2 per column for int4,
+    k for fp8, so k / 2 bounds both). Depends on shapes only, so a CUDA graph keeps it."""
+    wanted = triton.cdiv(4 * sm_count(device), num_tiles)
+    split_k = max(1, min(wanted, k // (16 * rows), k_tiles, 32))
+    per_split = triton.cdiv(k_tiles, split_k)
+    return triton.cdiv(k_tiles, per_split), per_split
+
+
+def gemv_split(tiles: int, words: int, block_w: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT_K, words per split) of a one-row kernel over `tiles` row tiles and `words` K-words a
+    row: a grid under four programs per SM is split along K to about eight (each split a whole
+    number of BLOCK_W steps); larger grids already fill the GPU and are not split."""
+    sms = sm_count(device)
+    if tiles >= 4 * sms:
+        return 1, words
+    split = max(1, min(triton.cdiv(8 * sms, tiles), words // block_w, 32))
+    per_split = triton.cdiv(triton.cdiv(words, split), block_w) * block_w
+    return triton.cdiv(words, per_split), per_split
+
+
+def large_tiling(out_features: int, in_features: int) -> bool:
+    """Whether a one-row kernel takes its large weights' tiling for a weight [out_features,
+    in_features]. A small weight is latency-bound: few rows a program, its rows read whole before
+    the wait for the previous kernel. A large one is bound by instruction issue: 16 rows a program
+    (each kernel's gemv_config has the rest)."""
+    return out_features * in_features >= LARGE_TILING_MIN_WEIGHTS
+
+
+def matmul_config(rows: int) -> dict[str, int]:
+    """Tile sizes of the dot kernels by batch rows: a few rows (decode: one 16-row tensor-core tile,
+    split-K) or prefill (a tiled GEMM)."""
+    if rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4)
+    if rows <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def norm_arguments(out: torch.Tensor, tiles: int, norm_in: NormScale | None,
+                   add_norm: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[tuple, torch.Tensor | None, torch.Tensor | None]:
+    """A one-row kernel's norm arguments (in_sumsq, in_parts, eps, residual, norm_w, residual_out,
+    sumsq; `out` stands in for those not read), and the add-norm outputs it writes (the new
+    residual [1, N] and the float32 sums of squares, one per row tile), or None, None."""
+    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.numel(), norm_in.eps) if norm_in else (out, 0, 0.0)
+    if add_norm is None:
+        return (in_sumsq, in_parts, eps, out, out, out, out), None, None
+    residual_out = torch.empty_like(out)
+    sumsq = torch.empty(tiles, dtype=torch.float32, device=out.device)
+    args = (in_sumsq, in_parts, eps, add_norm[0].contiguous(), add_norm[1].contiguous(), residual_out, sumsq)
+    return args, residual_out, sumsq
+
