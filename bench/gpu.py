@@ -67,7 +67,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import RANDOM_PREFIX, checkpoint_tensor_shapes, load_model, model_config, random_tensors  # noqa: E402
 from engine.models.linear import Int4Linear  # noqa: E402
 from engine.models.shapes import shape_config  # noqa: E402
-from engine.quantize import awq_quantization_config, default_group_size, export_awq, lm_head_weight  # noqa: E402
+from engine.quantization import awq_quantization_config, default_group_size, export_awq, lm_head_weight  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 

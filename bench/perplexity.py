@@ -10,8 +10,8 @@ window - stride tokens of context.
 Systems: minillm (float32), minillm-bf16, minillm-fp8 (--quantization fp8, per-channel FP8 rounded
 to nearest at load), minillm-fp8-gptq, minillm-int4-rtn and minillm-int4-awq, and the two int4
 ones with lm_head int4 too (-lm-head: `minillm quantize --lm-head`), quantized into a
-temporary directory by engine/quantize.py, the code behind `minillm quantize`. The quantized systems run in --dtype (default bfloat16, as
-served on a GPU). A markdown table is printed last; JSON goes to --out.
+temporary directory by engine/quantization/, the code behind `minillm quantize`. The quantized
+systems run in --dtype (default bfloat16, as served on a GPU). A markdown table is printed last; JSON goes to --out.
 
     python bench/perplexity.py --out bench/results/<date>-cpu-perplexity.json   # CPU: a few minutes
     python bench/perplexity.py --max-tokens 96 --window 64 --stride 32 --calibration-tokens 64  # smoke
@@ -37,7 +37,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_store import DEFAULT_DIR_NAME, resolve_model  # noqa: E402
 from engine.models.llama import DecoderModel  # noqa: E402
 from engine.packed_prefill import sequence_logprobs  # noqa: E402
-from engine.quantize import CALIBRATION_TOKENS, quantize_checkpoint  # noqa: E402
+from engine.quantization import CALIBRATION_TOKENS, quantize_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench" / "data" / "eval.txt"
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=list(_DTYPES), help="dtype of the quantized systems")
-    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default: engine/quantize.py's)")
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default: engine/quantization's)")
     p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, help="AWQ and GPTQ calibration tokens")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ", ".join(SYSTEMS))
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")

@@ -90,7 +90,7 @@ def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_d
     missing factor or residual would be off by O(1))."""
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
-    from engine.quantize import quantize_checkpoint
+    from engine.quantization import quantize_checkpoint
 
     path, _ = tiny_model_dir(shape)
     if fmt == "int4":
