@@ -41,8 +41,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The server's image; there is none to default to, so a missing repository says how to make one. */}}
 {{- define "minillm.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- $repository := required "image.repository is required: build and push the server's image (docker build -t REGISTRY/minillm:TAG . && docker push REGISTRY/minillm:TAG; README, \"Deploy on Kubernetes\"), then --set image.repository=REGISTRY/minillm --set image.tag=TAG" .Values.image.repository }}
+{{- printf "%s:%s" $repository (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end }}
 
 {{/* The label that lets a pod through the NetworkPolicy. */}}

@@ -21,6 +21,9 @@ import yaml
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+# The helm binary comes with `make test` (not `make test-fast`), so the chart is checked with the slow tests.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm"
 ALL_FEATURES = CHART / "ci" / "all-features-values.yaml"
@@ -35,16 +38,20 @@ CRD_KINDS = {"ServiceMonitor"}
 # MINILLM_* names the server does not take as flags: the models directory (engine/model_store.py).
 NON_FLAG_ENV = {"MINILLM_MODELS_DIR"}
 
+# The chart has no default image (none is published): every render names the one the user pushed.
+IMAGE = ("--set", "image.repository=registry.example.com/minillm")
+
 CASES: dict[str, tuple[str, ...]] = {
-    "default": (),
+    "default": IMAGE,
     "all-features": ("-f", str(ALL_FEATURES)),
-    "pvc": ("--set", "storage.type=pvc"),
-    "existing-claim": ("--set", "storage.type=existingClaim,storage.existingClaim=weights,storage.readOnly=true",
+    "pvc": (*IMAGE, "--set", "storage.type=pvc"),
+    "existing-claim": (*IMAGE, "--set",
+                       "storage.type=existingClaim,storage.existingClaim=weights,storage.readOnly=true",
                        "--set", "model.name=/models/Llama-3.2-1B-Instruct"),
-    "host-path": ("--set", "storage.type=hostPath"),
-    "existing-api-key-secret": ("--set", "apiKeys.existingSecret=minillm-keys"),
-    "tensor-parallel": ("--set", "engine.tensorParallelSize=4,shm.sizeLimit=32Gi"),
-    "cpu-only": ("--set", "gpu.count=0,shm.enabled=false,preStopSleepSeconds=0,tolerations=null"),
+    "host-path": (*IMAGE, "--set", "storage.type=hostPath"),
+    "existing-api-key-secret": (*IMAGE, "--set", "apiKeys.existingSecret=minillm-keys"),
+    "tensor-parallel": (*IMAGE, "--set", "engine.tensorParallelSize=4,shm.sizeLimit=32Gi"),
+    "cpu-only": (*IMAGE, "--set", "gpu.count=0,shm.enabled=false,preStopSleepSeconds=0,tolerations=null"),
 }
 
 
@@ -256,8 +263,21 @@ def test_termination_grace_exceeds_the_drain() -> None:
         grace = float(env_of(container)["MINILLM_SHUTDOWN_GRACE"]["value"])
         pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
         assert pod_spec(docs)["terminationGracePeriodSeconds"] > grace + pre_stop
-    result = helm("template", RELEASE, str(CHART), "--set", "terminationGracePeriodSeconds=30", check=False)
+    result = helm("template", RELEASE, str(CHART), *IMAGE, "--set", "terminationGracePeriodSeconds=30",
+                  check=False)
     assert result.returncode != 0 and "must exceed" in result.stderr
+
+
+def test_image_must_be_given() -> None:
+    """No image is published, so the chart has no default: without image.repository rendering fails
+    and says how to build and push one; with it, the tag defaults to the chart's appVersion."""
+    result = helm("template", RELEASE, str(CHART), check=False)
+    assert result.returncode != 0
+    assert "image.repository is required" in result.stderr and "docker push" in result.stderr
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert server(render(*CASES["default"]))["image"] == f"registry.example.com/minillm:{app_version}"
+    tagged = render(*IMAGE, "--set", "image.tag=v2", *CASES["all-features"])
+    assert server(tagged)["image"] == pod_spec(tagged)["initContainers"][0]["image"] == "registry.example.com/minillm:v2"
 
 
 @pytest.mark.parametrize(("case", "volume"), [
@@ -299,12 +319,12 @@ def test_download_init_container(monkeypatch: pytest.MonkeyPatch) -> None:
                       "local_dir": "/models/meta-llama/Llama-3.2-1B-Instruct",
                       "allow_patterns": ["*.json", "*.safetensors", "tokenizer*"]}]
     inspect.signature(snapshot_download).bind(**calls[0])
-    result = helm("template", RELEASE, str(CHART), "--set", "model.download.enabled=true", check=False)
+    result = helm("template", RELEASE, str(CHART), *IMAGE, "--set", "model.download.enabled=true", check=False)
     assert result.returncode != 0 and "model.download.repoId is required" in result.stderr
 
 
 def test_api_keys_come_from_a_secret() -> None:
-    assert "MINILLM_API_KEY" not in env_of(server(render()))  # no keys: no auth
+    assert "MINILLM_API_KEY" not in env_of(server(render(*CASES["default"])))  # no keys: no auth
     docs = render(*CASES["all-features"])
     ref = env_of(server(docs))["MINILLM_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert secret_value(docs, ref) == "sk-first-key,sk-second-key"
@@ -356,7 +376,7 @@ def test_service_monitor() -> None:
     [endpoint] = monitor["spec"]["endpoints"]
     assert endpoint["port"] in {p["name"] for p in only(docs, "Service")["spec"]["ports"]}
     assert endpoint["path"] == "/metrics" and endpoint["interval"] == "10s"
-    assert not [d for d in render() if d["kind"] in CRD_KINDS]  # off by default: no CRDs needed
+    assert not [d for d in render(*CASES["default"]) if d["kind"] in CRD_KINDS]  # off by default: no CRDs
 
 
 def test_network_policy_lets_the_test_pod_in() -> None:
