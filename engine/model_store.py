@@ -169,7 +169,7 @@ def _convert(target: Path, progress: bool) -> None:
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _say(progress, "dequantizing the default model to float32 (first start only, ~20 s)")
+        _say(progress, "dequantizing the default model to float32 (first start only)")
         model, tokenizer = _load_gguf(gguf, progress)
         _say(progress, f"writing {target}")
         if model.hf_quantizer is not None:

@@ -170,8 +170,8 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tens
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """scores.argmax(dim=-1) for [B, V] float scores, the first index of each row's maximum. A row is
     cut into up to 256 equal chunks first, on every device (same result, one code path): on a GPU
-    torch reduces one row with one thread block, which took 27 us of a 1 ms decode step over
-    Llama 3's 128,256 logits (H200); the two passes take 9."""
+    torch reduces one row with one thread block, slow over a 128k vocabulary; two passes over chunks
+    spread it over the SMs (docs/performance.md)."""
     rows, vocab = scores.shape
     chunks = next((c for c in (256, 128, 64, 32, 16) if vocab % c == 0), 1)
     if chunks == 1:

@@ -152,7 +152,7 @@ class DecoderModel(nn.Module):
     def _forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
         """forward for one token through DecoderLayer.forward_folded: of the 2L + 1 norms only the
-        first and the last run as kernels (H200, Llama-3.2-1B shape, INT4 batch-1 decode: see README)."""
+        first and the last run as kernels; the others fold into the projections' epilogues."""
         eps = self.cfg.rms_norm_eps
         hidden, residual = rms_norm(hidden, self.layers[0].input_layernorm, eps)
         norm_in = None
