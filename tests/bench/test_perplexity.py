@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test runs the benchmark in a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"model", "system", "metric", "batch", "prompt_tokens", "value", "floor_fraction"}
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,6 +190,7 @@ class Image:
 SYSTEM_STEPS = ("apt-get", "useradd")  # need Ubuntu and root; every other RUN runs here
 
 
+@pytest.mark.slow
 def test_install_steps(tmp_path: Path) -> None:
     """The Dockerfile's own RUN steps, in order, with BAKE_MODEL=1.
 

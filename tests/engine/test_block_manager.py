@@ -1,8 +1,10 @@
-"""BlockManager: ref counts, the prefix cache, LRU eviction, fork with copy-on-write, and a stateful
-model that simulates the KV writes and reads every live sequence back through its block table."""
+"""BlockManager: ref counts, the prefix cache, LRU eviction, fork with copy-on-write; and a stateful
+model where the real Scheduler drives it, the KV writes are simulated, and every running sequence
+reads its own history back through its block table."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence as Seq
 
 import pytest
 from hypothesis import settings
@@ -11,7 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.block_manager import BlockManager, block_hash
 from engine.sampling_params import SamplingParams
-from engine.sequence import Request, Sequence
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Request, Sequence, SequenceStatus
+from tests.engine.test_scheduler import Engine
 
 BS = 4  # block size everywhere in this file
 
@@ -273,7 +277,87 @@ def test_double_free_is_caught() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Stateful model
+# Stateful model: the real scheduler drives the block manager
+
+
+class CheckedBlockManager(BlockManager):
+    """The real BlockManager, each call checked against what it promises: hits are the longest run of
+    cached leading blocks, an allocation takes fresh blocks from the free list first and then the
+    least recently freed cached ones, a refused one fits nowhere and changes nothing, and a free
+    puts blocks at the back of their queue, tail first."""
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        hits = super().match_prefix(seq)
+        expected = []
+        for h in chain_hashes(seq.token_ids, (seq.num_tokens - 1) // BS) if self.enable_prefix_caching else []:
+            if h not in self.cached:
+                break
+            expected.append(self.cached[h])
+        assert hits == expected
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+        before = snapshot(self, seq)
+        table, hits = list(seq.block_table), list(cached_blocks)
+        num_computed = seq.num_computed_tokens + len(hits) * BS
+        revived = [b for b in hits if self.blocks[b].ref_count == 0]
+        shared_partial = bool(table and num_computed % BS and self.blocks[table[-1]].ref_count > 1)
+        need = max(self.blocks_for(num_computed + num_new_tokens) - len(table) - len(hits), 0) + shared_partial
+        free_before = list(self.free_ids)
+        evictable_left = [b for b in self.evictable if b not in revived]
+        if not super().allocate_slots(seq, num_new_tokens, cached_blocks):
+            assert snapshot(self, seq) == before
+            assert need > self.num_free_blocks - len(revived)  # refused only when it really does not fit
+            return False
+        taken = seq.block_table[len(table) + len(hits):]
+        if shared_partial:
+            taken.insert(0, seq.block_table[len(table) - 1])
+            assert seq.block_table[: len(table) - 1] == table[:-1]
+        else:
+            assert seq.block_table[: len(table)] == table
+        assert seq.block_table[len(table): len(table) + len(hits)] == hits
+        assert taken == (free_before + evictable_left)[:need]
+        assert list(self.evictable) == evictable_left[max(need - len(free_before), 0):]
+        assert len(seq.block_table) == self.blocks_for(num_computed + num_new_tokens)
+        queries, hit_tokens = before[5], before[6]
+        if self.enable_prefix_caching and not table:  # an admission is one lookup
+            queries, hit_tokens = queries + seq.num_tokens, hit_tokens + len(hits) * BS
+        assert (self.prefix_queries, self.prefix_hits) == (queries, hit_tokens)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        table = list(seq.block_table)
+        free_before, evictable_before = list(self.free_ids), list(self.evictable)
+        super().free(seq)
+        assert seq.block_table == []
+        released = [b for b in reversed(table) if self.blocks[b].ref_count == 0]
+        assert list(self.free_ids) == free_before + [b for b in released if self.blocks[b].hash is None]
+        assert list(self.evictable) == evictable_before + [b for b in released if self.blocks[b].hash is not None]
+
+
+class SimulatedKV(Engine):
+    """An Engine whose forward writes each token's simulated KV into its slot, copies first."""
+
+    def __init__(self, num_blocks: int, *args, **kwargs) -> None:
+        super().__init__(num_blocks, *args, block_manager_type=CheckedBlockManager, **kwargs)
+        self.kv: dict[int, list[Slot | None]] = {i: [None] * BS for i in range(num_blocks)}
+
+    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int]]) -> None:
+        blocks = self.block_manager.blocks
+        for src, dst in out.block_copies:
+            assert blocks[dst].hash is None and blocks[dst].ref_count <= 1
+            self.kv[dst] = list(self.kv[src])
+        for seq, pos, block_id in writes:
+            # Writing into a block that the cache serves, or that a sequence with other tokens reads,
+            # corrupts it. Samples forked in this step share the block with the same tokens; a
+            # sequence that finished while its last step was in flight writes into a block now free.
+            assert blocks[block_id].hash is None, f"write into cached block {block_id}"
+            readers = [s for s in self.scheduler.running if block_id in s.block_table]
+            assert all(s.token_ids[: pos + 1] == seq.token_ids[: pos + 1] for s in readers), (
+                f"write into shared block {block_id}")
+            assert seq in readers or (seq.is_finished and not readers)
+            self.kv[block_id][pos % BS] = tuple(seq.token_ids[: pos + 1])
+
 
 PROMPT_BASES = ([0, 1, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0], [2] * 12)
 prompts = st.builds(
@@ -282,185 +366,136 @@ prompts = st.builds(
     st.integers(1, 12),
     st.lists(st.integers(0, 2), max_size=6),
 )
+MAX_TOKENS = 8  # with prompts of up to 18 tokens, a request fits 7 blocks: the smallest pool
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
-    """Drives a BlockManager the way the scheduler does and simulates the KV cache beside it: each
-    computed token is written into its slot, pending copies are applied before the writes, and every
-    live sequence must read its own history back through its block table."""
+class SchedulerMachine(RuleBasedStateMachine):
+    """The real Scheduler over the real BlockManager, stepped the way LLMEngine steps them (with and
+    without overlap), with forks, early stops and aborts; three tokens in the vocabulary, so prompts
+    and outputs share prefixes. After every step: the scheduler kept its policy (budgets, the
+    newest preempted, first come first served), every block is accounted for, the cache index
+    matches the blocks, and every running sequence reads its own history back through its block table."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm: BlockManager
-        self.kv: dict[int, list[Slot | None]] = {}
-        self.live: list[Sequence] = []  # hold blocks (running)
-        self.waiting: list[Sequence] = []  # hold none: never admitted, preempted, or refused
+        self.engine: SimulatedKV
         self.hash_history: dict[bytes, tuple[int, ...]] = {}  # a chained hash -> the tokens it covers
-        self.next_index = 0
+        self.forked: set[Sequence] = set()  # running sequences that were forked in, not admitted
 
-    @initialize(num_blocks=st.integers(8, 24), prefix_caching=st.sampled_from([True, True, True, False]))
-    def setup(self, num_blocks: int, prefix_caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
-        self.kv = {i: [None] * BS for i in range(num_blocks)}
+    @initialize(num_blocks=st.integers(7, 10), max_num_seqs=st.integers(1, 6),
+                max_num_batched_tokens=st.integers(1, 24), prefix_caching=st.sampled_from([True, True, False]),
+                overlap=st.booleans())
+    def setup(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
+              overlap: bool) -> None:
+        self.engine = SimulatedKV(num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching=prefix_caching,
+                                  overlap=overlap, vocab=3)
 
-    # -- the scheduler's moves ------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
 
-    @rule(token_ids=prompts, chunk=st.integers(1, 20))
-    def add(self, token_ids: list[int], chunk: int) -> None:
-        self.next_index += 1
-        seq = make_seq(token_ids, index=self.next_index)
-        self.waiting.append(seq)
-        self._admit(seq, chunk)
+    @property
+    def bm(self) -> BlockManager:
+        return self.engine.block_manager
 
-    @precondition(lambda self: self.waiting)
-    @rule(i=st.integers(0, 99), chunk=st.integers(1, 20))
-    def readmit(self, i: int, chunk: int) -> None:
-        self._admit(self.waiting[i % len(self.waiting)], chunk)
+    # -- rules ----------------------------------------------------------------------------------
 
-    @precondition(lambda self: any(s.num_computed_tokens < s.num_tokens for s in self.live))
-    @rule(i=st.integers(0, 99), k=st.integers(1, 20))
-    def compute(self, i: int, k: int) -> None:
-        pending = [s for s in self.live if s.num_computed_tokens < s.num_tokens]
-        seq = pending[i % len(pending)]
-        self._step(seq, min(k, seq.num_tokens - seq.num_computed_tokens))
+    @rule(prompt=prompts, max_tokens=st.integers(1, MAX_TOKENS), n=st.integers(1, 3), seed=st.integers(0, 2),
+          stops=st.booleans())
+    def add(self, prompt: list[int], max_tokens: int, n: int, seed: int, stops: bool) -> None:
+        self.engine.add(prompt, max_tokens, n, seed, eos=[2] if stops else [])
 
-    @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live))
-    @rule(i=st.integers(0, 99), token=st.integers(0, 2))
-    def append_token(self, i: int, token: int) -> None:
-        done = [s for s in self.live if s.num_computed_tokens == s.num_tokens]
-        done[i % len(done)].token_ids.append(token)
+    @rule()
+    def step(self) -> None:
+        self._step()
 
-    @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens for s in self.live))
-    @rule(i=st.integers(0, 99), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6))
-    def decode(self, i: int, tokens: list[int]) -> None:
-        """A few decode steps in a row: sample a token, compute it in the next step."""
-        done = [s for s in self.live if s.num_computed_tokens == s.num_tokens]
-        seq = done[i % len(done)]
-        for token in tokens:
-            seq.token_ids.append(token)
-            if not self._step(seq, 1):
+    @precondition(lambda self: self.engine.requests)
+    @rule(i=st.integers(0, 99))
+    def abort(self, i: int) -> None:
+        requests = list(self.engine.requests.values())
+        self.engine.abort(requests[i % len(requests)])
+        self.forked = {s for s in self.forked if s.status == SequenceStatus.RUNNING}
+
+    @rule()
+    def drain(self) -> None:
+        """Step until every request is done: nothing starves, and every block comes back."""
+        for _ in range(500):
+            if not self.engine.requests and self.engine.in_flight is None:
                 break
+            self._step()
+            self.check()
+        assert not self.engine.requests, "no progress in 500 steps"
+        assert self.bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in self.bm.blocks)
+        assert not self.scheduler.running and not self.scheduler.waiting
 
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 99))
-    def fork(self, i: int) -> None:
-        parent = self.live[i % len(self.live)]
-        self.next_index += 1
-        child = make_seq(parent.token_ids, index=self.next_index)
-        used = self.bm.num_used_blocks
-        self.bm.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        assert child.block_table == parent.block_table and child.block_table is not parent.block_table
-        assert self.bm.num_used_blocks == used  # sharing takes no block
-        self.live.append(child)
+    def _step(self) -> None:
+        """One engine step, its schedule checked against the policy."""
+        scheduler = self.scheduler
+        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        remaining = {s: s.num_tokens - s.num_computed_tokens for s in running}
+        decodes = [s for s in running if remaining[s] == 1]
+        preemptions = scheduler.num_preemptions
+        out = scheduler.schedule()
 
-    @precondition(lambda self: self.live or self.waiting)
-    @rule(i=st.integers(0, 99))
-    def finish(self, i: int) -> None:
-        seqs = self.live + self.waiting
-        seq = seqs[i % len(seqs)]
-        self._free(seq)
-        (self.live if seq in self.live else self.waiting).remove(seq)
+        budget = scheduler.max_num_batched_tokens
+        assert out.num_batched_tokens <= budget
+        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        forks = [s.seq for s in out.scheduled if s.sample_from is not None]
+        for s in out.scheduled:
+            if s.num_new_tokens:
+                assert s.seq.status == SequenceStatus.RUNNING
+                assert s.seq.num_computed_tokens + s.num_new_tokens <= s.seq.num_tokens
+                assert s.samples == (s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens)
+                assert s.seq in running or s.seq in waiting
+            else:
+                assert s.seq in forks and s.samples and s.sample_from.request is s.seq.request
+        # Preemption takes the newest: no older sequence gave way while a newer one kept running.
+        victims = [s for s in running + forks if s.status == SequenceStatus.WAITING]
+        kept = [s.status == SequenceStatus.RUNNING for s in running]
+        assert kept == sorted(kept, reverse=True)
+        assert scheduler.num_preemptions - preemptions == len(victims)
+        if victims:  # they wait at the front, oldest first, and nothing else is admitted
+            assert list(scheduler.waiting) == victims + waiting
+        else:  # admitted first come first served
+            admitted = [s for s in waiting if s.status == SequenceStatus.RUNNING]
+            assert waiting[: len(admitted)] == admitted and list(scheduler.waiting) == waiting[len(admitted):]
+        # Decodes are served before prefill chunks: all of them, while the budget holds them.
+        if len(decodes) <= budget:
+            scheduled = {s.seq: s.num_new_tokens for s in out.scheduled}
+            assert all(scheduled.get(s) == 1 for s in decodes if s.status == SequenceStatus.RUNNING)
 
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 99))
-    def preempt(self, i: int) -> None:
-        seq = self.live.pop(i % len(self.live))
-        self._free(seq)
-        seq.num_computed_tokens = 0
-        self.waiting.append(seq)
-
-    # -- helpers --------------------------------------------------------------------------------
-
-    def _admit(self, seq: Sequence, chunk: int) -> None:
-        hits = self.bm.match_prefix(seq)
-        self._check_prefix(seq, hits)
-        num_cached = len(hits) * BS
-        assert num_cached < seq.num_tokens  # the last token is always computed
-        if self._allocate(seq, min(chunk, seq.num_tokens - num_cached), hits):
-            self.waiting.remove(seq)
-            self.live.append(seq)
-
-    def _step(self, seq: Sequence, k: int) -> bool:
-        return self._allocate(seq, k, [])
-
-    def _check_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        """Hits are the longest run of leading blocks found in the cache under seq's tokens."""
-        expected = []
-        for h in chain_hashes(seq.token_ids, (seq.num_tokens - 1) // BS):
-            if h not in self.bm.cached:
-                break
-            expected.append(self.bm.cached[h])
-        assert hits == (expected if self.bm.enable_prefix_caching else [])
-
-    def _allocate(self, seq: Sequence, k: int, hits: list[int]) -> bool:
-        """allocate_slots, checked against the model; on success the step's forward follows."""
-        bm = self.bm
-        before = snapshot(bm, seq)
-        table = list(seq.block_table)
-        num_computed = seq.num_computed_tokens + len(hits) * BS
-        revived = [b for b in hits if bm.blocks[b].ref_count == 0]
-        shared_partial = bool(table and num_computed % BS and bm.blocks[table[-1]].ref_count > 1)
-        need = bm.blocks_for(num_computed + k) - len(table) - len(hits) + shared_partial
-        # Fresh blocks come from the free list first, then from the evictable ones, LRU first.
-        free_before = list(bm.free_ids)
-        evictable_left = [b for b in bm.evictable if b not in revived]
-        if not bm.allocate_slots(seq, k, hits):
-            assert snapshot(bm, seq) == before
-            assert need > bm.num_free_blocks - len(revived)  # refused only when it really does not fit
-            return False
-        taken = seq.block_table[len(table) + len(hits) :]
-        if shared_partial:
-            taken.insert(0, seq.block_table[len(table) - 1])
-            assert seq.block_table[: len(table) - 1] == table[:-1]
-        else:
-            assert seq.block_table[: len(table)] == table
-        assert seq.block_table[len(table) : len(table) + len(hits)] == hits
-        assert taken == (free_before + evictable_left)[:need]
-        assert list(bm.evictable) == evictable_left[max(need - len(free_before), 0) :]
-        queries, hit_tokens = before[5], before[6]
-        if bm.enable_prefix_caching and not table:  # an admission is one lookup
-            queries, hit_tokens = queries + seq.num_tokens, hit_tokens + len(hits) * BS
-        assert (bm.prefix_queries, bm.prefix_hits) == (queries, hit_tokens)
-        seq.num_computed_tokens = num_computed
-        self._write(seq, k)
-        return True
-
-    def _write(self, seq: Sequence, k: int) -> None:
-        """The forward pass: copy-on-write copies first, then the new tokens' KV into their slots."""
-        for src, dst in self.bm.take_copies():
-            assert self.bm.blocks[dst].ref_count == 1 and self.bm.blocks[dst].hash is None
-            self.kv[dst] = list(self.kv[src])
-        assert len(seq.block_table) == self.bm.blocks_for(seq.num_computed_tokens + k)
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + k):
-            block = self.bm.blocks[seq.block_table[pos // BS]]
-            # Writing into a block another sequence reads, or that the cache serves, corrupts it.
-            assert block.ref_count == 1, f"write into shared block {block.block_id}"
-            assert block.hash is None, f"write into cached block {block.block_id}"
-            self.kv[block.block_id][pos % BS] = tuple(seq.token_ids[: pos + 1])
-        old = seq.num_computed_tokens
-        seq.num_computed_tokens += k
-        self.bm.cache_full_blocks(seq, old)
-        hashes = chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)
-        for i in range(old // BS, len(hashes)):
-            self.hash_history.setdefault(hashes[i], tuple(seq.token_ids[: (i + 1) * BS]))
-            if self.bm.enable_prefix_caching:  # every block the step filled is now findable
-                assert hashes[i] in self.bm.cached
-
-    def _free(self, seq: Sequence) -> None:
-        """free, checked: blocks that drop to no reference join the back of their queue, tail first."""
-        bm, table = self.bm, list(seq.block_table)
-        free_before, evictable_before = list(bm.free_ids), list(bm.evictable)
-        bm.free(seq)
-        assert seq.block_table == []
-        released = [b for b in reversed(table) if bm.blocks[b].ref_count == 0]
-        assert list(bm.free_ids) == free_before + [b for b in released if bm.blocks[b].hash is None]
-        assert list(bm.evictable) == evictable_before + [b for b in released if bm.blocks[b].hash is not None]
+        computed = {s.seq: s.seq.num_computed_tokens for s in out.scheduled}
+        self.engine.run(out)
+        self.forked = {s for s in self.forked | set(forks) if s.status == SequenceStatus.RUNNING}
+        for seq, old in computed.items():
+            hashes = chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)
+            for i, h in enumerate(hashes):
+                self.hash_history.setdefault(h, tuple(seq.token_ids[: (i + 1) * BS]))
+            if self.bm.enable_prefix_caching and not seq.is_finished:  # every block the step filled is findable
+                assert all(h in self.bm.cached for h in hashes[old // BS:])
 
     # -- invariants -----------------------------------------------------------------------------
 
     @invariant()
-    def blocks_are_accounted_for(self) -> None:
+    def holds(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        self.check_queues()
+        self.check_blocks()
+        self.check_cache()
+        self.check_kv()
+
+    def check_queues(self) -> None:
+        scheduler = self.scheduler
+        live = [s for r in self.engine.requests.values() for s in r.sequences if not s.is_finished]
+        assert {s.seq_id for s in live} == {s.seq_id for s in [*scheduler.running, *scheduler.waiting]}
+        assert all(s.status == SequenceStatus.RUNNING for s in scheduler.running)
+        assert all(s.status == SequenceStatus.WAITING and s.block_table == [] for s in scheduler.waiting)
+        # Forks come in with their parent; everything else is admitted only below max_num_seqs.
+        assert len([s for s in scheduler.running if s not in self.forked]) <= scheduler.max_num_seqs
+
+    def check_blocks(self) -> None:
         bm = self.bm
         free, evictable = list(bm.free_ids), list(bm.evictable)
         referenced = [b.block_id for b in bm.blocks if b.ref_count > 0]
@@ -470,50 +505,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(bm.blocks[i].ref_count == 0 and bm.blocks[i].hash is not None for i in evictable)
         assert bm.num_free_blocks == len(free) + len(evictable)
         assert bm.num_used_blocks == len(referenced)
-        assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
-        assert bm.pending_copies == []  # every allocation here is followed by its forward
-
-    @invariant()
-    def ref_counts_match_block_tables(self) -> None:
-        uses = Counter(b for s in self.live for b in s.block_table)
-        assert all(s.block_table == [] for s in self.waiting)
-        assert {b.block_id: b.ref_count for b in self.bm.blocks if b.ref_count} == dict(uses)
-        for s in self.live:
+        assert bm.pending_copies == []  # each step's copies went out with it
+        uses = Counter(b for s in self.scheduler.running for b in s.block_table)
+        assert {b.block_id: b.ref_count for b in bm.blocks if b.ref_count} == dict(uses)
+        for s in self.scheduler.running:
             assert len(set(s.block_table)) == len(s.block_table)
+            assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens)
 
-    @invariant()
-    def cache_index_matches_block_hashes(self) -> None:
+    def check_cache(self) -> None:
         hashed = {b.hash: b.block_id for b in self.bm.blocks if b.hash is not None}
         assert len(hashed) == sum(b.hash is not None for b in self.bm.blocks)  # no hash on two blocks
         assert hashed == self.bm.cached
         if not self.bm.enable_prefix_caching:
             assert self.bm.cached == {}
-
-    @invariant()
-    def cached_blocks_hold_what_their_hash_says(self) -> None:
-        for h, block_id in self.bm.cached.items():
+        for h, block_id in self.bm.cached.items():  # a hit serves the KV of equal tokens
             tokens = self.hash_history[h]
             start = len(tokens) - BS
-            assert self.kv[block_id] == [tokens[: p + 1] for p in range(start, len(tokens))]
-
-    @invariant()
-    def sequences_keep_their_own_hashes(self) -> None:
-        for s in self.live + self.waiting:
+            assert self.engine.kv[block_id] == [tokens[: p + 1] for p in range(start, len(tokens))]
+        for s in [*self.scheduler.running, *self.scheduler.waiting]:
             assert s.block_hashes == chain_hashes(s.token_ids, len(s.block_hashes))
-        for s in self.live:
-            hashes = chain_hashes(s.token_ids, s.num_computed_tokens // BS)
-            assert all(self.bm.blocks[b].hash in (None, h) for b, h in zip(s.block_table, hashes))
 
-    @invariant()
-    def live_sequences_read_back_their_tokens(self) -> None:
-        for s in self.live:
+    def check_kv(self) -> None:
+        for s in self.scheduler.running:
             assert 0 < s.num_computed_tokens <= s.num_tokens
-            assert len(s.block_table) == self.bm.blocks_for(s.num_computed_tokens)
+            assert all(t >= 0 for t in s.token_ids[: s.num_computed_tokens])
             for pos in range(s.num_computed_tokens):
-                assert self.kv[s.block_table[pos // BS]][pos % BS] == tuple(s.token_ids[: pos + 1]), (
+                assert self.engine.kv[s.block_table[pos // BS]][pos % BS] == tuple(s.token_ids[: pos + 1]), (
                     f"seq {s.seq_id} reads wrong KV at position {pos}"
                 )
 
 
-TestBlockManagerStateful = BlockManagerMachine.TestCase
-TestBlockManagerStateful.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestSchedulerStateful = SchedulerMachine.TestCase
+TestSchedulerStateful.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

@@ -14,7 +14,7 @@ from engine.models.linear import Fp8Linear, Int4Linear
 from engine.models.llama import DecoderModel
 from engine.models.shapes import shape_config
 from engine.models.sharding import ModelShard, split
-from tests.engine.test_quantize import _float_and_awq_by_hand
+from tests.engine.quantization.conftest import _float_and_awq_by_hand
 
 CPU = torch.device("cpu")
 

@@ -39,6 +39,7 @@ def _run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
     return [(s.token_ids, [lp.logprob for lp in s.logprobs]) for c in done for _, s in sorted(c.samples.items())]
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
     one = LLMEngine(_config(1))
     expected = _run(one)
@@ -67,6 +68,7 @@ def test_sizes_that_cannot_work_are_refused_first(default_model_dir, size, error
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_signals_to_the_process_group_leave_the_other_ranks_to_rank_0(tmp_path) -> None:
     """Ctrl-C reaches every process of a terminal's group: rank 0 drains, and the other ranks must
     still be serving until it stops them."""
@@ -94,6 +96,7 @@ def test_signals_to_the_process_group_leave_the_other_ranks_to_rank_0(tmp_path) 
     assert proc.stdout.splitlines() == ["3 True", "0"]
 
 
+@pytest.mark.slow
 def test_a_dead_rank_ends_rank_0(tmp_path) -> None:
     script = textwrap.dedent("""
         import multiprocessing, os, signal, time
@@ -119,11 +122,12 @@ def test_a_dead_rank_ends_rank_0(tmp_path) -> None:
 
 
 def _tiny_awq(tiny_model_dir, tmp_path) -> str:
-    from tests.engine.test_quantize import _float_and_awq_by_hand
+    from tests.engine.quantization.conftest import _float_and_awq_by_hand
 
     return str(_float_and_awq_by_hand(tiny_model_dir("tiny-llama3")[0], tmp_path)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["random:tiny-qwen2", "awq", "fp8"])
 def test_two_ranks_serve_biases_and_quantized_weights(tiny_model_dir, tmp_path, model) -> None:
     """Qwen2's QKV bias follows its column shards; AWQ and FP8 weights are cut in their own layouts."""

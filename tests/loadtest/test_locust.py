@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.app.conftest import start_server
+
+pytestmark = pytest.mark.slow  # a server and ten seconds of locust
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
