@@ -23,7 +23,7 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     torch references."""
     teacher = load_model(tiny_with_tokenizer, torch.float32, CPU)
     model = load_model(tiny_with_tokenizer, torch.float32, CPU)
-    sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 2048)
+    sequences = calibration_sequences(Tokenizer.from_dir(tiny_with_tokenizer), 1024)
     grids = int4_gptq_calibrate(model, sequences, 32)
     head, grids[head] = int4_lm_head_calibrate(model, sequences, 32)  # --lm-head: tuned with the rest
     assert model.lm_head is head and model.embed_tokens.weight.data_ptr() != head.weight.data_ptr()
@@ -44,7 +44,7 @@ def test_end_to_end_tuning_keeps_the_levels_and_lowers_the_held_out_kl(tiny_with
     tune_end_to_end(model, targets, grids, 32, steps=0)
     assert held_out_kl() == before
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tune_end_to_end(model, targets, grids, 32, steps=10)
+    tune_end_to_end(model, targets, grids, 32, steps=5)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert held_out_kl() < before
     assert not torch.equal(model.norm, norm) and not torch.equal(grids[head][0], head_scale)
