@@ -383,19 +383,11 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(model_card(state))
 
 
-def tokenizer_engine(state: AppState) -> AsyncEngine:
-    """The live engine, if its model has a tokenizer (the tokenizer routes need one)."""
-    engine = state.live_engine()
-    if not engine.has_tokenizer:
-        raise InvalidRequestError("This model has no tokenizer.", param="model")
-    return engine
-
-
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
     body = TokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
     state.check_model(body.model)
-    engine = tokenizer_engine(state)
+    engine = state.live_engine()  # its tokenizer methods raise for a model without one
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
     if body.messages is not None:
@@ -409,7 +401,7 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request)
     body = DetokenizeRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
     state.check_model(body.model)
-    engine = tokenizer_engine(state)
+    engine = state.live_engine()  # its tokenizer methods raise for a model without one
     if any(not 0 <= t < engine.vocab_size for t in body.tokens):
         raise InvalidRequestError("Token ids must be in [0, vocab size).", param="tokens")
     return JSONResponse({"prompt": engine.decode(body.tokens, skip_special_tokens=False)})
