@@ -50,6 +50,9 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("preemptions", "Sequences preempted for lack of KV blocks.", s.preemptions)
+        yield counter("constrained_requests", "Requests whose output a grammar constrains (structured output, tools).",
+                      s.constrained_requests)
+        yield counter("grammar_mask_seconds", "Host seconds spent computing grammar token masks.", s.grammar_mask_seconds)
 
 
 class Metrics:

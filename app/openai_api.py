@@ -1,288 +1,24 @@
-"""The OpenAI-compatible routes: chat and text completions (streamed or not), models, tokenizer."""
+"""The OpenAI-compatible routes besides chat: text completions (streamed or not), models, tokenizer."""
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from app import tracing
-from app.errors import APIError, typed_error_body
-from app.json import SSE_DONE, JSONResponse, loads, sse
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.errors import typed_error_body
+from app.generation import Generation, collect, join_choices, observed, read_json, start, state_of
+from app.json import SSE_DONE, JSONResponse, sse
+from app.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.state import AppState
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, MinillmError
-from engine.outputs import RequestOutput, SampleDelta, Usage
+from engine.outputs import RequestOutput, SampleDelta
 from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past the limit (even without Content-Length), 400 if not JSON."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            # The rest of the body stays unread, so the server will drop the connection: say so, or a
-            # keep-alive client sends its next request into a closing socket.
-            raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", code="body_too_large",
-                           headers={"Connection": "close"})
-    try:
-        data = loads(bytes(body))
-    except ValueError:
-        raise APIError(400, "The body is not valid JSON.", "invalid_request_error") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The body must be a JSON object.", "invalid_request_error")
-    return data
-
-
-def state_of(request: Request) -> AppState:
-    return request.app.state.minillm
-
-
-# ---- one generation: several prompts × n samples, merged into one stream of choices ------------
-
-
-@dataclass
-class Generation:
-    """Everything a chat or completions call produces, as it happens."""
-
-    kind: str  # "chat" or "completion"
-    id: str
-    model: str
-    n: int
-    num_choices: int = 0
-    created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.monotonic)
-    ttft: float | None = None
-    # Per prompt, the usage its engine request last reported (before its first output: its prompt).
-    usages: dict[int, Usage] = field(default_factory=dict)
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(u.prompt_tokens for u in self.usages.values())
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(u.completion_tokens for u in self.usages.values())
-
-    def usage(self) -> dict[str, Any]:
-        """The engine's usage summed over the prompts (each prompt counted once, every choice's tokens)."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in self.usages.values())}}
-
-
-async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with the prompt's index. Closing this
-    iterator cancels every stream, which aborts their requests in the engine."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:
-            async for out in stream:
-                yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((i, out))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def start(request: Request, gen: Generation, prompts: list[Any], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Validate every prompt now (errors before any byte is sent), then queue them all."""
-    state = state_of(request)
-    engine = state.live_engine()
-    state.check_queue(engine)
-    prepared = await engine.prepare_all([(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}")
-                                         for i, p in enumerate(prompts)])
-    gen.usages = {i: Usage(r.num_prompt_tokens, 0) for i, r in enumerate(prepared)}
-    gen.num_choices = len(prepared) * gen.n
-    return merged([engine.stream(r) for r in prepared])
-
-
-async def observed(request: Request, gen: Generation,
-                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Pass outputs through while recording TTFT, inter-token gaps, usage and finish reasons; at
-    the end, metrics, the trace and the access log learn about the request."""
-    state = state_of(request)
-    state.in_flight += 1
-    last = None
-    times = None
-    try:
-        async with aclosing(outputs):  # stopping early closes the source: aborts at once
-            async for i, out in outputs:
-                now = time.monotonic()
-                if any(d.token_ids for d in out.deltas):
-                    if gen.ttft is None:
-                        gen.ttft = now - gen.started
-                    elif last is not None:
-                        state.metrics.observe_itl(now - last)
-                    last = now
-                if out.usage is not None:
-                    gen.usages[i] = out.usage
-                for d in out.deltas:
-                    if d.finish_reason:
-                        gen.finish_reasons[i * gen.n + d.index] = d.finish_reason
-                if out.finished:
-                    times = out.times if times is None or (out.times and out.times.total > times.total) else times
-                yield i, out
-    finally:
-        state.in_flight -= 1
-        # Choices that never finished were aborted (client gone, or the shutdown grace ran out).
-        reasons = [gen.finish_reasons.get(k, "abort") for k in range(gen.num_choices)]
-        state.metrics.observe_finished(times, time.monotonic() - gen.started, gen.ttft, gen.prompt_tokens,
-                                       gen.completion_tokens, reasons)
-        if state.tracer_provider is not None and (span := tracing.current_span()):
-            tracing.record_request(span, gen.kind, gen.model, times, gen.ttft, gen.prompt_tokens,
-                                   gen.completion_tokens, reasons)
-        request.scope.setdefault("state", {}).update(
-            prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-            ttft_ms=None if gen.ttft is None else round(gen.ttft * 1000, 1))
-
-
-async def until_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body is already read, so receive() waits for that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]] | None:
-    """All outputs of a non-streamed call; None if the client left first (the requests are aborted)."""
-    async def gather() -> list[tuple[int, RequestOutput]]:
-        return [item async for item in outputs]
-
-    work = asyncio.ensure_future(gather())
-    watch = asyncio.ensure_future(until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            await outputs.aclose()  # type: ignore[attr-defined]
-    return work.result() if work in done else None
-
-
-@dataclass
-class Choice:
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-def join_choices(items: list[tuple[int, RequestOutput]], n: int, prefix: dict[int, str]) -> list[tuple[int, Choice]]:
-    """A non-streamed call's choices, by index (prompt i's sample j is choice i * n + j); prefix
-    holds the echoed prompt text of each prompt, if any."""
-    choices: dict[int, Choice] = {}
-    for i, out in items:
-        for d in out.deltas:
-            c = choices.setdefault(i * n + d.index, Choice(prefix.get(i, "")))
-            c.text += d.text
-            c.logprobs += d.logprobs or []
-            c.finish_reason = d.finish_reason or c.finish_reason
-    return sorted(choices.items())
-
-
-# ---- chat ---------------------------------------------------------------------------------------
-
-
-def chat_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = engine.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in logprobs]}
-
-
-async def chat_completions(request: Request) -> Response:
-    state = state_of(request)
-    body = ChatCompletionRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
-    state.check_model(body.model)
-    messages, params = body.to_engine()
-    gen = Generation("chat", f"chatcmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
-    engine = state.live_engine()
-    outputs = observed(request, gen, await start(request, gen, [messages], params))
-    want_logprobs = params.logprobs is not None
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(chat_stream(engine, gen, outputs, include_usage, want_logprobs),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    items = await collect(request, outputs)
-    if items is None:
-        return Response(status_code=499)
-    return JSONResponse({
-        "id": gen.id, "object": "chat.completion", "created": gen.created, "model": gen.model,
-        "choices": [{"index": k, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": chat_logprobs(engine, c.logprobs) if want_logprobs else None,
-                     "finish_reason": c.finish_reason} for k, c in join_choices(items, gen.n, {})],
-        "usage": gen.usage(),
-    })
-
-
-async def chat_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
-    """OpenAI's chunk format: one id; role on each choice's first chunk; no empty chunks;
-    finish_reason only on each choice's last; usage alone in a final chunk when asked."""
-    head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model}
-    extra = {"usage": None} if include_usage else {}
-    opened: set[int] = set()
-    pending_logprobs: dict[int, list[TokenLogprobs]] = {}
-    try:
-        async with aclosing(outputs):  # stopping early closes the source: aborts at once
-            async for _, out in outputs:
-                for d in out.deltas:
-                    pending_logprobs.setdefault(d.index, []).extend(d.logprobs or [])
-                    if not d.text and not d.finish_reason:
-                        continue  # nothing to show yet (text held back): no empty chunks
-                    delta: dict[str, Any] = {}
-                    if d.index not in opened:
-                        opened.add(d.index)
-                        delta["role"] = "assistant"
-                    if d.text or "role" in delta:
-                        delta["content"] = d.text
-                    lps = pending_logprobs.pop(d.index, [])
-                    choice = {"index": d.index, "delta": delta,
-                              "logprobs": chat_logprobs(engine, lps) if want_logprobs else None,
-                              "finish_reason": d.finish_reason}
-                    yield sse(head | {"choices": [choice]} | extra)
-        if include_usage:
-            yield sse(head | {"choices": [], "usage": gen.usage()})
-    except MinillmError as e:  # the engine died mid-stream: say so in the stream, then end it
-        yield sse(typed_error_body(e))
-    yield SSE_DONE
+from engine.tokenizer import Chat
 
 
 # ---- text completions ---------------------------------------------------------------------------
@@ -391,7 +127,10 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("Give exactly one of prompt or messages.", param="prompt")
     if body.messages is not None:
-        tokens = engine.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        tools = [t.to_template() for t in body.tools] if body.tools else None
+        tokens = engine.render_chat(Chat([m.to_template() for m in body.messages], tools=tools,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message))
     else:
         tokens = engine.tokenize(body.prompt, body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})

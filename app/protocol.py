@@ -1,12 +1,14 @@
 """OpenAI request bodies (pydantic, unknown fields ignored) and how they map onto SamplingParams."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.json import dumps as orjson_dumps, loads as orjson_loads
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 
 class _Body(BaseModel):
@@ -23,15 +25,95 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: developer is system, content is text, and a
+        call's arguments are an object (templates serialize them themselves)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return orjson_loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets the text as sent
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def to_template(self) -> dict[str, Any]:
+        """OpenAI's tool dict, with an object schema where none was given."""
+        function = self.function.model_dump(exclude_none=True)
+        function.setdefault("parameters", {"type": "object", "properties": {}})
+        return {"type": "function", "function": function}
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class _Sampling(_Body):
@@ -56,10 +138,50 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Structured outputs, vLLM's names: the current one and the older guided_* fields.
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.", param="stream_options")
+
+    def extra_grammars(self) -> list[StructuredOutput]:
+        """The grammars the vLLM extras ask for (at most one may be given, checked by the caller)."""
+        found = []
+        so = self.structured_outputs
+        for param, kind, value in (
+            ("structured_outputs.json", "json", so and so.json_), ("structured_outputs.regex", "regex", so and so.regex),
+            ("structured_outputs.choice", "choice", so and so.choice),
+            ("structured_outputs.grammar", "grammar", so and so.grammar),
+            ("structured_outputs.json_object", "json_object", so and so.json_object),
+            ("structured_outputs.structural_tag", "structural_tag", so and so.structural_tag),
+            ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar),
+        ):
+            if value is None or value is False:
+                continue
+            if kind == "choice":
+                if not value:
+                    raise InvalidRequestError(f"{param} must list at least one choice.", param=param)
+                found.append(StructuredOutput.choice(value, param))
+            elif kind == "json":
+                found.append(StructuredOutput.json_schema(value, param))
+            elif kind == "json_object":
+                found.append(StructuredOutput("json_object", "", param))
+            else:
+                found.append(StructuredOutput(kind, value if isinstance(value, str) else orjson_dumps(value).decode(), param))
+        return found
+
+    @staticmethod
+    def one_grammar(grammars: list[StructuredOutput]) -> StructuredOutput | None:
+        if len(grammars) > 1:
+            names = ", ".join(g.param for g in grammars)
+            raise InvalidRequestError(f"Give at most one output constraint; got {names}.", param=grammars[1].param)
+        return grammars[0] if grammars else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build and validate engine params (raises InvalidRequestError naming the param)."""
@@ -89,29 +211,40 @@ class _Sampling(_Body):
         )
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass
+class ToolUse:
+    """What a chat request asks of tools: their OpenAI definitions, and which may or must be called."""
+
+    tools: list[dict[str, Any]]
+    choice: str  # "none", "auto", "required", or the name of the one function to call
+    parallel: bool  # more than one call in a turn
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Features not built yet: present (and not trivially off) means a clear 400.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # The deprecated function-calling fields: still refused clearly (use tools).
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    # vLLM's chat template extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
-    def to_engine(self) -> tuple[list[dict[str, str]], SamplingParams]:
+    def to_engine(self) -> tuple[list[dict[str, Any]], SamplingParams, ToolUse | None]:
         self.check_common()
-        for param in ("tools", "functions"):
-            if getattr(self, param):
-                raise InvalidRequestError(f"{param} are not supported by this server yet.", param=param)
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            param = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
-            raise InvalidRequestError(f"{param} is not supported by this server yet.", param=param)
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("Only response_format type 'text' is supported yet.", param="response_format")
+        if self.functions or self.function_call not in (None, "none"):
+            param = "functions" if self.functions else "function_call"
+            raise InvalidRequestError(f"{param} is deprecated and not supported; use tools and tool_choice.", param=param)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true.", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -119,9 +252,39 @@ class ChatCompletionRequest(_Sampling):
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequestError(f"{param} must be at least 1, got {max_tokens}.", param=param)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    | ({"name": m.name} if m.name else {}) for m in self.messages]
-        return messages, self.sampling_params(max_tokens, logprobs)
+        params = self.sampling_params(max_tokens, logprobs)
+        params.structured = self.one_grammar(self.response_grammars() + self.extra_grammars())
+        return [m.to_template() for m in self.messages], params, self.tool_use()
+
+    def response_grammars(self) -> list[StructuredOutput]:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return []
+        if rf.type == "json_object":
+            return [StructuredOutput("json_object", "", "response_format")]
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema.",
+                                      param="response_format.json_schema")
+        return [StructuredOutput.json_schema(rf.json_schema.schema_, "response_format.json_schema.schema")]
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools and the choice among them; None when there are no tools."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice needs tools.", param="tool_choice")
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("Tool names must be unique.", param="tools")
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.get("name")
+            if name not in names:
+                raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools.",
+                                          param="tool_choice")
+            choice = name
+        return ToolUse([t.to_template() for t in self.tools], choice or "auto",
+                       True if self.parallel_tool_calls is None else self.parallel_tool_calls)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -153,6 +316,8 @@ class CompletionRequest(_Sampling):
 
     def to_engine(self) -> tuple[list[str | list[int]], SamplingParams]:
         self.check_common()
+        params = self.sampling_params(self.max_tokens, self.logprobs)
+        params.structured = self.one_grammar(self.extra_grammars())
         if self.suffix:
             raise InvalidRequestError("suffix is not supported.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -161,7 +326,7 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError(f"At most {MAX_PROMPTS} prompts in one request.", param="prompt")
         if self.echo and self.logprobs is not None:
             raise InvalidRequestError("echo together with logprobs is not supported yet.", param="echo")
-        return self.prompts(), self.sampling_params(self.max_tokens, self.logprobs)
+        return self.prompts(), params
 
 
 class TokenizeRequest(_Body):
@@ -169,6 +334,10 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
+    # With messages: what the chat template also takes.
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):

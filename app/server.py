@@ -21,7 +21,8 @@ from app.errors import EXCEPTION_HANDLERS
 from app.json import JSONResponse
 from app.metrics import Metrics
 from app.middleware import ServerMiddleware
-from app.openai_api import chat_completions, completions, detokenize, get_model, list_models, tokenize
+from app.chat import chat_completions
+from app.openai_api import completions, detokenize, get_model, list_models, tokenize
 from app.openapi import openapi_schema
 from app.settings import ServerSettings, from_env, to_env
 from app.state import AppState

@@ -39,6 +39,7 @@ class ServerSettings:
     max_body_bytes: int = 10 * 2**20
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     log_level: str = "info"
+    tool_call_parser: str | None = None  # the tool-call format; default: recognised from the chat template
 
     @property
     def api_keys(self) -> list[str]:
@@ -61,6 +62,7 @@ _HELP = {
     "max_body_bytes": "largest request body accepted (413 above)",
     "shutdown_grace": "seconds that in-flight requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
+    "tool_call_parser": "tool-call format: hermes, llama3, mistral or generic (default: recognised from the chat template)",
 }
 
 

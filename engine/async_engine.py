@@ -19,7 +19,7 @@ from engine.llm_engine import EngineStats, LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Chat, Tokenizer
 
 log = logging.getLogger("minillm.engine")
 
@@ -109,9 +109,14 @@ class AsyncEngine:
         """Text to token ids (add_special_tokens: the tokenizer's own, e.g. BOS, as a prompt gets them)."""
         return self._tokenizer().encode(text, add_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, chat: Chat | list[dict[str, Any]]) -> list[int]:
         """Chat messages to a prompt's token ids, through the model's chat template."""
-        return self._tokenizer().apply_chat_template(messages)
+        return self._tokenizer().apply_chat_template(chat)
+
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text; '' without a tokenizer or template."""
+        return self._engine.tokenizer.chat_template if self._engine.tokenizer else ""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer().decode(token_ids, skip_special_tokens)

@@ -9,22 +9,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
-from engine.sampler import SamplerOutput, TokenLogprobs
+from engine.sampler import SamplerOutput, TokenLogprobs, TokenMask
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.structured_output import Grammar, GrammarCompiler, fill_token_mask
+from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
 from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
 from engine.workers import start_tensor_parallel
 
 log = logging.getLogger("minillm.engine")
 
-Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+Prompt = str | list[int] | list[dict[str, Any]] | Chat  # text, token ids, or chat messages
 
 
 @dataclass
@@ -33,7 +36,8 @@ class _InFlight:
 
     sampling: list[ScheduledSequence]
     positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
-    sampled: SamplerOutput
+    sampled: SamplerOutput | None  # None until launched: a constrained step samples after collecting the last
+    logits: torch.Tensor | None = None  # kept until then
 
 
 @dataclass
@@ -51,6 +55,8 @@ class EngineStats:
     prompt_tokens: int  # of every request added
     computed_prompt_tokens: int  # prompt tokens whose KV was computed: not from the prefix cache
     generation_tokens: int
+    constrained_requests: int  # requests with a grammar (structured output, tools)
+    grammar_mask_seconds: float  # host time spent filling grammar token masks
 
 
 class LLMEngine:
@@ -77,6 +83,8 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
+            self.grammars = (GrammarCompiler(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
+                             if self.tokenizer else None)
         except BaseException:
             self.close()
             raise
@@ -84,6 +92,8 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.constrained_requests_total = 0
+        self.grammar_mask_seconds = 0.0
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s); max_model_len %d",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.kv_bytes_per_block / 2**20, f" on each of {self.tp.size} ranks" if self.tp.size > 1 else "",
@@ -132,9 +142,9 @@ class LLMEngine:
         params.validate(vocab_size=self.sample_vocab_size)
         if isinstance(prompt, str):
             token_ids = self._need_tokenizer().encode(prompt)
-        elif not isinstance(prompt, list) or not prompt:
+        elif not isinstance(prompt, (list, Chat)) or not prompt:
             raise InvalidRequestError("The prompt must be text, token ids or chat messages, and not empty.", param="prompt")
-        elif all(isinstance(m, dict) for m in prompt):
+        elif isinstance(prompt, Chat) or all(isinstance(m, dict) for m in prompt):
             token_ids = self._need_tokenizer().apply_chat_template(prompt)  # type: ignore[arg-type]
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)  # type: ignore[arg-type]
@@ -145,7 +155,7 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("The prompt is empty after tokenization.", param="prompt")
         room = self.max_model_len - len(token_ids)
-        param = "messages" if isinstance(prompt[0], dict) else "prompt"  # name the field the client sent
+        param = "messages" if isinstance(prompt, Chat) or isinstance(prompt[0], dict) else "prompt"  # the field sent
         if room < 1:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
@@ -155,12 +165,18 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.", param=param)
+        grammar = None
+        if params.structured is not None:  # compiled here, off the engine thread, before anything is sent
+            if self.grammars is None:
+                raise InvalidRequestError("Structured output needs a tokenizer.", param=params.structured.param)
+            grammar = self.grammars.compile(params.structured)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=params.max_tokens or room,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            grammar=grammar,
         )
 
     def _need_tokenizer(self) -> Tokenizer:
@@ -177,6 +193,7 @@ class LLMEngine:
         request.sequences.append(seq)
         self.requests[request.request_id] = request
         self.prompt_tokens_total += request.num_prompt_tokens
+        self.constrained_requests_total += request.grammar is not None
         self.scheduler.add(seq)
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -217,6 +234,10 @@ class LLMEngine:
         launched = self._launch(out) if out.scheduled else None
         if self._in_flight is not None:
             outputs += self._collect(self._take_in_flight())
+        if launched is not None and launched.sampled is None:
+            # Grammar masks need the tokens just collected; the device ran the forward meanwhile.
+            launched.sampled = self.runner.sample(launched.logits, launched.sampling, self._token_mask(launched.sampling))
+            launched.logits = None
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
@@ -232,16 +253,34 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled = self.runner.execute(out, self._in_flight.sampled if self._in_flight else None)
-        if sampled is None:
+        logits = self.runner.execute(out, self._in_flight.sampled if self._in_flight else None)
+        if logits is None:
             return None
         sampling = [s for s in out.scheduled if s.samples]
+        # Unconstrained steps sample now; a step with a grammar row waits for the step in flight.
+        constrained = any(s.seq.request.grammar is not None for s in sampling)
+        sampled = None if constrained else self.runner.sample(logits, sampling)
         positions = []
         for row, s in enumerate(sampling):
             positions.append(s.seq.num_tokens)
             s.seq.token_ids.append(placeholder(row))
             s.seq.num_placeholders += 1
-        return _InFlight(sampling, positions, sampled)
+        return _InFlight(sampling, positions, sampled, None if sampled else logits)
+
+    def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
+        """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
+        start = time.perf_counter()
+        rows = [(row, self._grammar(s.seq)) for row, s in enumerate(sampling)
+                if s.seq.request.grammar is not None and not s.seq.is_finished]
+        mask = fill_token_mask(rows, self.sample_vocab_size) if rows else None
+        self.grammar_mask_seconds += time.perf_counter() - start
+        return mask
+
+    @staticmethod
+    def _grammar(seq: Sequence) -> Grammar:
+        if seq.grammar is None:  # each sample (forks too) starts at the grammar's beginning
+            seq.grammar = Grammar(seq.request.grammar)
+        return seq.grammar
 
     def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids; put them in place of their placeholders."""
@@ -273,11 +312,20 @@ class LLMEngine:
         self.generation_tokens_total += 1
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-        text = seq.detokenizer.add(token_id) if seq.detokenizer else ""
+        # An end-of-sequence token ends the text; it is not part of it (even with special tokens shown).
+        ending = token_id in request.eos_token_ids
+        text = seq.detokenizer.add(token_id) if seq.detokenizer and not ending else ""
         reason: str | None = None
         stop_reason: str | int | None = None
         length = position + 1
-        if token_id in params.stop_token_ids or token_id in request.eos_token_ids:
+        grammar_ended = False
+        if request.grammar is not None:
+            grammar = self._grammar(seq)
+            accepted = grammar.accept(token_id)
+            if not accepted:  # masked out, so never expected: end rather than go off the grammar
+                log.error("request %s: grammar refused sampled token %d", request.request_id, token_id)
+            grammar_ended = not accepted or grammar.is_terminated
+        if token_id in params.stop_token_ids or token_id in request.eos_token_ids or grammar_ended:
             reason, stop_reason = "stop", token_id
         elif seq.detokenizer and seq.detokenizer.stop_hit is not None:
             reason, stop_reason = "stop", seq.detokenizer.stop_hit
@@ -320,6 +368,8 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total,
             computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             generation_tokens=self.generation_tokens_total,
+            constrained_requests=self.constrained_requests_total,
+            grammar_mask_seconds=self.grammar_mask_seconds,
         )
 
     # ---- offline use (CLI, tests, benchmarks) ---------------------------------------------------

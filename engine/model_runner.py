@@ -9,7 +9,7 @@ input ids may be placeholders (see engine.sequence.placeholder) for tokens that 
 step is still sampling: they are taken from that step's device output, inside the graph.
 
 Under tensor parallelism every rank has a runner over its shard. Rank 0's `execute` turns the
-scheduler's output into StepInputs, publishes them to the other ranks, and samples; the others
+scheduler's output into StepInputs, publishes them to the other ranks, and `sample` samples; the others
 `follow` each step with the same forward (collectives included, graphs too) and take rank 0's
 sampled ids by broadcast, for their next placeholders.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.llama import DecoderModel
-from engine.sampler import SampleRow, Sampler, SamplerOutput
+from engine.sampler import SampleRow, Sampler, SamplerOutput, TokenMask
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import programmatic_launches, to_device
@@ -145,17 +145,20 @@ class ModelRunner:
         return to_device(data, dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> SamplerOutput | None:
-        """Launch the scheduled tokens' forward; sample where a sequence reached its end. None if
-        nothing samples. `prev` is the step still in flight, whose sampled ids fill placeholders."""
+    def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> torch.Tensor | None:
+        """Launch the scheduled tokens' forward; the logits of the rows that sample, or None if none
+        does. `prev` is the step still in flight, whose sampled ids fill placeholders."""
         step = self.prepare(out, prev)
         if self.publish is not None:
             self.publish(step)
-        logits = self.forward(step, prev.token_ids if prev is not None else None)
-        if logits is None:
-            return None
-        sampled = self.sampler(logits, [self._sample_row(s) for s in out.scheduled if s.samples])
-        self.model.tp.broadcast(sampled.token_ids)  # the other ranks' next placeholders
+        return self.forward(step, prev.token_ids if prev is not None else None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence], mask: TokenMask | None = None) -> SamplerOutput:
+        """Launch the sampling of execute's logits (one row per sampling sequence, in order) and the
+        copy of the ids to the host; the other ranks take them too, for their next placeholders."""
+        sampled = self.sampler(logits, [self._sample_row(s) for s in sampling], mask)
+        self.model.tp.broadcast(sampled.token_ids)
         sampled.start_copy()
         return sampled
 

@@ -1,4 +1,4 @@
-"""Batched token sampling: logit bias, penalties, temperature, min-p/top-k/top-p, seeded Gumbel-max.
+"""Batched token sampling: grammar masks, logit bias, penalties, temperature, min-p/top-k/top-p, seeded Gumbel-max.
 
 Logprobs are taken from the model's raw distribution, log_softmax of the unmodified logits (before
 bias, penalties, temperature and filters), as vLLM does by default.
@@ -81,6 +81,29 @@ class SamplerOutput:
         for j, (i, n) in enumerate(zip(self._rows, self._num_top)):
             result[i] = TokenLogprobs(token_ids[i], chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
         return result
+
+
+@dataclass
+class TokenMask:
+    """Allowed tokens of some rows of a batch: bit v of bitmask[k] set means row rows[k] may take
+    token v. Filled on the host (engine/structured_output.py), copied to the device here."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    """-inf where a constrained row may not go (out of place); other rows are untouched."""
+    if mask is None or not mask.rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    index = to_device(mask.rows, torch.int64, device)
+    words = mask.bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -212,10 +235,11 @@ class Sampler:
     def __init__(self, vocab_size: int | None = None) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None) -> SamplerOutput:
+        """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed;
+        rows that `mask` names only among their allowed tokens."""
         raw = logits[:, : self.vocab_size].float()
-        scores = apply_penalties(apply_logit_bias(raw, rows), rows)
+        scores = apply_penalties(apply_logit_bias(apply_token_mask(raw, mask), rows), rows)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled and len(sampled) == len(rows):
             token_ids = _draw(scores, rows)

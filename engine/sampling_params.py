@@ -1,12 +1,33 @@
 """Per-request generation controls, with OpenAI's names and limits."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # each sample is a sequence made at once: an unbounded n is an out-of-memory kill
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match. `kind` is one of GRAMMAR_KINDS; `spec` is its text: a JSON
+    schema, a regex, a JSON list of choices, an EBNF (GBNF) or Lark grammar, or an xgrammar
+    structural tag. `param` names the request field it came from, for error messages."""
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    @classmethod
+    def json_schema(cls, schema: object, param: str = "response_format") -> "StructuredOutput":
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), param)
+
+    @classmethod
+    def choice(cls, choices: list[str], param: str = "guided_choice") -> "StructuredOutput":
+        return cls("choice", json.dumps(list(choices)), param)
 
 
 @dataclass
@@ -30,6 +51,7 @@ class SamplingParams:
     # None: no logprobs; 0: the sampled token's only; k: also the k most likely (k <= 20).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # a grammar the output must match
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +91,8 @@ class SamplingParams:
                 raise bad("logit_bias", f"logit_bias has token id {token_id} outside the vocabulary.")
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}.")
+        if self.structured is not None and self.structured.kind not in GRAMMAR_KINDS:
+            raise bad(self.structured.param, f"Unknown grammar kind {self.structured.kind!r}.")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise bad("stop_token_ids", f"stop_token_ids has token id {token_id} outside the vocabulary.")

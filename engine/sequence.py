@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
+    from engine.structured_output import Grammar
     from engine.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -43,6 +46,7 @@ class Sequence:
     detokenizer: "IncrementalDetokenizer | None" = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_placeholders: int = 0  # trailing token ids still being sampled on the device
+    grammar: "Grammar | None" = None  # where this sample is in its request's grammar, if it has one
 
     @property
     def num_real_tokens(self) -> int:
@@ -78,6 +82,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    grammar: "CompiledGrammar | None" = None  # the grammar every sample's output must match
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError, ModelLoadError
+
+
+@dataclass
+class Chat:
+    """Chat messages to render through the model's chat template, with what the template takes
+    beside them (transformers' apply_chat_template arguments)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for templates that describe tools
+    add_generation_prompt: bool = True  # open the assistant's turn
+    continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
 
 
 class Tokenizer:
@@ -44,11 +56,25 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text ('' if none): tool-call formats are recognised by what it contains."""
+        template = self.hf.chat_template
+        return "\n".join(template.values()) if isinstance(template, dict) else (template or "")
+
+    def apply_chat_template(self, chat: Chat | list[dict[str, Any]]) -> list[int]:
+        if isinstance(chat, list):
+            chat = Chat(chat)
         if not self.has_chat_template:
             raise InvalidRequestError("This model has no chat template; use completions.", param="messages")
+        if chat.continue_final_message and (chat.add_generation_prompt or not chat.messages
+                                            or chat.messages[-1].get("role") != "assistant"):
+            raise InvalidRequestError("continue_final_message needs a final assistant message and "
+                                      "add_generation_prompt false.", param="continue_final_message")
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.hf.apply_chat_template(chat.messages, tools=chat.tools, tokenize=False,
+                                               add_generation_prompt=chat.add_generation_prompt,
+                                               continue_final_message=chat.continue_final_message)
         except Exception as e:  # a template may reject a message layout (e.g. roles out of order)
             raise InvalidRequestError(f"The chat template rejected these messages: {e}", param="messages") from e
         return list(self.hf(text, add_special_tokens=False).input_ids)

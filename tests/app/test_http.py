@@ -404,8 +404,9 @@ def test_http_level_errors_have_openai_bodies(client: httpx.Client) -> None:
     check_error(client.post("/v1/completions", json={"prompt": "Hi", "stream": False,
                                                       "stream_options": {"include_usage": True}}),
                 400, param="stream_options")
-    check_error(client.post("/v1/chat/completions", json={"messages": CHAT, "response_format": {"type": "json_object"}}),
-                400, param="response_format")
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    check_error(client.post("/v1/chat/completions", json={"messages": CHAT, "response_format": bad_schema}),
+                400, param="response_format.json_schema.schema")
     check_error(client.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2}), 400, param="messages")
     check_error(client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2}), 400, param="messages")
 

@@ -100,8 +100,8 @@ def test_errors_are_the_sdks_exception_types(client) -> None:
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=CHAT,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+                                       tools=[{"type": "retrieval", "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools[0].type"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
 
