@@ -22,6 +22,7 @@ from app.json import JSONResponse
 from app.metrics import Metrics
 from app.middleware import ServerMiddleware
 from app.chat import chat_completions
+from app.tools import TOOL_FORMATS
 from app.openai_api import completions, detokenize, get_model, list_models, tokenize
 from app.openapi import openapi_schema
 from app.settings import ServerSettings, from_env, to_env
@@ -146,6 +147,8 @@ def serve(settings: ServerSettings) -> None:
     from granian import Granian
     from granian.constants import Interfaces, Loops
 
+    if settings.tool_call_parser is not None and settings.tool_call_parser not in TOOL_FORMATS:
+        raise SystemExit(f"--tool-call-parser {settings.tool_call_parser!r} is not one of {', '.join(TOOL_FORMATS)}.")
     os.environ.update(to_env(settings))
     Granian(
         "app.server:app_from_env",

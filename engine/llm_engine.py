@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
-from engine.sampler import SamplerOutput, TokenLogprobs, TokenMask
+from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs, TokenMask
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
@@ -37,7 +37,7 @@ class _InFlight:
     sampling: list[ScheduledSequence]
     positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
     sampled: SamplerOutput | None  # None until launched: a constrained step samples after collecting the last
-    logits: torch.Tensor | None = None  # kept until then
+    deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
 
 
 @dataclass
@@ -236,8 +236,9 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
         if launched is not None and launched.sampled is None:
             # Grammar masks need the tokens just collected; the device ran the forward meanwhile.
-            launched.sampled = self.runner.sample(launched.logits, launched.sampling, self._token_mask(launched.sampling))
-            launched.logits = None
+            logits, rows = launched.deferred
+            launched.sampled = self.runner.sample(logits, rows, self._token_mask(launched.sampling))
+            launched.deferred = None
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
@@ -257,15 +258,16 @@ class LLMEngine:
         if logits is None:
             return None
         sampling = [s for s in out.scheduled if s.samples]
+        rows = [self.runner.sample_row(s) for s in sampling]
         # Unconstrained steps sample now; a step with a grammar row waits for the step in flight.
         constrained = any(s.seq.request.grammar is not None for s in sampling)
-        sampled = None if constrained else self.runner.sample(logits, sampling)
+        sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
         for row, s in enumerate(sampling):
             positions.append(s.seq.num_tokens)
             s.seq.token_ids.append(placeholder(row))
             s.seq.num_placeholders += 1
-        return _InFlight(sampling, positions, sampled, None if sampled else logits)
+        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows))
 
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""

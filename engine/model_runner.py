@@ -154,10 +154,10 @@ class ModelRunner:
         return self.forward(step, prev.token_ids if prev is not None else None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling: list[ScheduledSequence], mask: TokenMask | None = None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None) -> SamplerOutput:
         """Launch the sampling of execute's logits (one row per sampling sequence, in order) and the
         copy of the ids to the host; the other ranks take them too, for their next placeholders."""
-        sampled = self.sampler(logits, [self._sample_row(s) for s in sampling], mask)
+        sampled = self.sampler(logits, rows, mask)
         self.model.tp.broadcast(sampled.token_ids)
         sampled.start_copy()
         return sampled
@@ -229,7 +229,8 @@ class ModelRunner:
         return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
 
     @staticmethod
-    def _sample_row(s: ScheduledSequence) -> SampleRow:
+    def sample_row(s: ScheduledSequence) -> SampleRow:
+        """What sampling needs of a sequence, taken before its placeholder for this step is added."""
         seq = s.seq
         return SampleRow(
             params=seq.request.params,

@@ -40,7 +40,8 @@ def _choice_grammar(spec: str) -> str:
     choices = json.loads(spec)
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise ValueError("choices must be a non-empty list of strings")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)  # EBNF string literals are JSON-escaped
+    # EBNF string literals escape as JSON does; characters past U+FFFF stay as they are (not surrogates).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarCompiler:

@@ -35,6 +35,8 @@ def test_bad_flags_give_a_clear_error(default_model_dir, capsys) -> None:
     assert "top_p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
+    with pytest.raises(SystemExit, match="hermes, mistral, llama3, generic"):  # before any model loads
+        main(["serve", "--tool-call-parser", "nope"])
 
 
 def test_quantize_writes_a_model_that_generates(default_model_dir, tmp_path, capsys) -> None:
