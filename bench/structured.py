@@ -95,10 +95,20 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
-def records_schema(key: str = "records") -> dict[str, Any]:
+# The same record without length or range bounds: xgrammar expands a bounded string into repetitions
+# whose token masks cost up to milliseconds, an unbounded one costs microseconds.
+OPEN_RECORD_SCHEMA: dict[str, Any] = {
+    **RECORD_SCHEMA,
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"},
+                   "tags": RECORD_SCHEMA["properties"]["tags"]},
+}
+DECODE_RECORDS = {"bounded": RECORD_SCHEMA, "open": OPEN_RECORD_SCHEMA}  # --schema
+
+
+def records_schema(key: str = "records", kind: str = "bounded") -> dict[str, Any]:
     """The decode schema: an object whose one required array `key` holds at least MIN_RECORDS records."""
     return {"type": "object",
-            "properties": {key: {"type": "array", "minItems": MIN_RECORDS, "items": RECORD_SCHEMA}},
+            "properties": {key: {"type": "array", "minItems": MIN_RECORDS, "items": DECODE_RECORDS[kind]}},
             "required": [key], "additionalProperties": False}
 
 
@@ -289,7 +299,8 @@ def bench_ttft(bench: StructuredBench, engine: LLMEngine, spec: StructuredOutput
 
     def params(grammar: str | None) -> SamplingParams:
         structured = {None: None, "cached": spec,
-                      "new": StructuredOutput.json_schema(records_schema(f"records_{next(counter)}"))}[grammar]
+                      "new": StructuredOutput.json_schema(records_schema(f"records_{next(counter)}",
+                                                                       bench.args.schema))}[grammar]
         return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, structured=structured)
 
     kinds = (None, "new", "cached")
@@ -383,6 +394,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no section after this many seconds of the run (default 420)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
+    p.add_argument("--schema", choices=sorted(DECODE_RECORDS), default="bounded",
+                   help="the decode schema's records: bounded (maxLength, ranges) or open (default bounded)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--smoke", action="store_true", help="tiny shape, small batches, few steps: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>-structured.json)")
@@ -406,13 +419,14 @@ def describe(args: argparse.Namespace, engine: LLMEngine, device: torch.device) 
                        "lm_head is computed in full, ids past the tokenizer are never sampled"),
         "config": {k: getattr(args, k) for k in ("batches", "prompt_tokens", "decode_steps", "reps", "ttft_runs",
                                                  "kv_cache_memory", "seed")},
-        "schemas": {"decode": records_schema(), "record": copy.deepcopy(RECORD_SCHEMA)},
+        "schemas": {"decode": records_schema(kind=args.schema), "decode_kind": args.schema,
+                    "record": copy.deepcopy(RECORD_SCHEMA)},
     }
 
 
 def run_sections(bench: StructuredBench, engine: LLMEngine) -> None:
     """Every measurement on one engine: the decode schema's first compile, decode at each batch, TTFT, a sample."""
-    spec = StructuredOutput.json_schema(records_schema())
+    spec = StructuredOutput.json_schema(records_schema(kind=bench.args.schema))
 
     def compile_decode_schema() -> None:
         start = time.perf_counter()
@@ -451,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         f"skipped: {bench.skipped or 'none'}")
     print(f"\n{bench.gpu}, torch {torch.__version__}, xgrammar {xgrammar_version}, commit {bench.commit}, "
           f"{bench.date}; {args.model} ({bench.info['dtype']}), masks over {bench.info['mask_vocab']:,} ids; "
-          f"{args.prompt_tokens}-token prompts, {args.decode_steps} timed steps, medians of {args.reps}\n")
+          f"{args.prompt_tokens}-token prompts, {args.decode_steps} timed steps, medians of {args.reps}; "
+          f"{args.schema} decode schema\n")
     print(markdown_tables(bench), flush=True)
     return 1 if bench.failed else 0
 

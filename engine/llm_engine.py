@@ -20,7 +20,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs, TokenMask
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.structured_output import Grammar, GrammarCompiler, fill_token_mask
+from engine.structured_output import Grammar, GrammarCompiler, MaskFiller
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
 from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
 from engine.workers import start_tensor_parallel
@@ -85,6 +85,7 @@ class LLMEngine:
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
                              if self.tokenizer else None)
+            self.fill_masks = MaskFiller()
         except BaseException:
             self.close()
             raise
@@ -274,7 +275,7 @@ class LLMEngine:
         start = time.perf_counter()
         rows = [(row, self._grammar(s.seq)) for row, s in enumerate(sampling)
                 if s.seq.request.grammar is not None and not s.seq.is_finished]
-        mask = fill_token_mask(rows, self.sample_vocab_size) if rows else None
+        mask = self.fill_masks(rows, self.sample_vocab_size) if rows else None
         self.grammar_mask_seconds += time.perf_counter() - start
         return mask
 

@@ -22,7 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampler import Sampler, SampleRow, TokenMask, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured_output import Grammar, GrammarCompiler, fill_token_mask
+from engine.structured_output import Grammar, GrammarCompiler, MaskFiller
 
 PROMPTS = ["Hello there", "Tell me a story about a dragon", "1 2 3", "The weather today is"]
 REGEX = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2}")
@@ -551,13 +551,15 @@ def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
 
 
 def test_mask_layout_matches_xgrammar(engine: LLMEngine) -> None:
-    """fill_token_mask (xgrammar's bits) and apply_token_mask agree on the allowed ids."""
+    """MaskFiller (xgrammar's bits, threaded or not) and apply_token_mask agree on the allowed ids."""
     compiled = engine.grammars.compile(StructuredOutput.choice(["yes", "no"]))
     grammars = [(1, Grammar(compiled)), (2, Grammar(compiled))]
     assert grammars[1][1].accept(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
     vocab = engine.sample_vocab_size
-    mask = fill_token_mask(grammars, vocab)
+    mask = MaskFiller(2)(grammars, vocab)
     assert mask.rows == [1, 2]
+    for k, one in enumerate(grammars):  # the one-row path, on this thread, fills the same bits
+        assert torch.equal(MaskFiller()([one], vocab).bitmask[0], mask.bitmask[k])
     masked = apply_token_mask(torch.zeros(3, vocab), mask)
     for k, (row, _) in enumerate(grammars):
         expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[k: k + 1], vocab)[0]
