@@ -93,17 +93,21 @@ class TokenMask:
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
-    """-inf where a constrained row may not go (out of place); other rows are untouched."""
+    """-inf where a constrained row may not go (out of place); other rows are untouched. The bits
+    are spread to the whole batch on the host (rows without a grammar allow everything), so the
+    device gets one copy and a few elementwise kernels, no gathers."""
     if mask is None or not mask.rows:
         return logits
-    device, vocab = logits.device, logits.shape[-1]
-    index = to_device(mask.rows, torch.int64, device)
-    words = mask.bitmask.to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    batch, vocab = logits.shape
+    words = mask.bitmask
+    if mask.rows != list(range(batch)):
+        words = torch.full((batch, words.shape[1]), -1, dtype=torch.int32).index_copy_(
+            0, torch.tensor(mask.rows), words)
+        words = words.pin_memory() if logits.is_cuda else words
+    words = words.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:

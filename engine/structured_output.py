@@ -8,7 +8,6 @@ sampling of a batch that holds constrained rows waits for them (engine/llm_engin
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections import OrderedDict
@@ -105,19 +104,16 @@ def _first_line(e: BaseException) -> str:
 
 
 class MaskFiller:
-    """Fills the allowed next tokens of a batch's constrained rows, one row per host thread (up to
-    half the CPUs): a mask costs microseconds to milliseconds, depending on the grammar's state."""
+    """Fills the allowed next tokens of a batch's constrained rows. One C++ call for the batch, on
+    this thread: on the H200's host, handing rows to xgrammar's threads cost more than filling them
+    (8 threads: 1.0 ms a step at batch 8, against 0.07 ms a row on one)."""
 
-    def __init__(self, max_threads: int | None = None) -> None:
-        threads = max_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._batch = xgr.BatchGrammarMatcher(threads)
+    def __init__(self) -> None:
+        self._batch = xgr.BatchGrammarMatcher(1)
 
     def __call__(self, grammars: list[tuple[int, Grammar]], vocab_size: int) -> TokenMask:
         """Each (row, grammar)'s mask, filled while the device runs the forward."""
         bitmask = torch.empty(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32,
                               pin_memory=torch.cuda.is_available())
-        if len(grammars) == 1:
-            grammars[0][1].matcher.fill_next_token_bitmask(bitmask, 0)  # no thread hand-off for one row
-        else:
-            self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], bitmask)
+        self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], bitmask)
         return TokenMask([row for row, _ in grammars], bitmask)
