@@ -20,7 +20,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs, TokenMask
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.structured_output import Grammar, GrammarCompiler, MaskFiller
+from engine.structured_output import Grammar, GrammarBatch, GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
 from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
 from engine.workers import start_tensor_parallel
@@ -85,7 +85,7 @@ class LLMEngine:
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
                              if self.tokenizer else None)
-            self.fill_masks = MaskFiller()
+            self.grammar_batch = GrammarBatch()
         except BaseException:
             self.close()
             raise
@@ -275,7 +275,7 @@ class LLMEngine:
         start = time.perf_counter()
         rows = [(row, self._grammar(s.seq)) for row, s in enumerate(sampling)
                 if s.seq.request.grammar is not None and not s.seq.is_finished]
-        mask = self.fill_masks(rows, self.sample_vocab_size) if rows else None
+        mask = self.grammar_batch.fill(rows, self.sample_vocab_size) if rows else None
         self.grammar_mask_seconds += time.perf_counter() - start
         return mask
 
@@ -289,13 +289,14 @@ class LLMEngine:
         """Wait for a launched step's sampled ids; put them in place of their placeholders."""
         outputs: dict[str, RequestOutput] = {}
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
+        refused = self._advance_grammars(in_flight.sampling, token_ids)
         for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
             seq, request = s.seq, s.seq.request
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            delta = self._append(seq, position, token_id, lp)
+            delta = self._append(seq, position, token_id, lp, seq.seq_id in refused)
             ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
             ro.deltas.append(delta)
         for ro in outputs.values():
@@ -307,7 +308,22 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
+    def _advance_grammars(self, sampling: list[ScheduledSequence], token_ids: list[int]) -> set[int]:
+        """Feed each constrained sample its new token, in one call; the ids of those whose grammar
+        refused it (masked out, so never expected)."""
+        rows = [(self._grammar(s.seq), t, s.seq) for s, t in zip(sampling, token_ids)
+                if s.seq.request.grammar is not None and not s.seq.is_finished]
+        if not rows:
+            return set()
+        accepted = self.grammar_batch.accept([g for g, _, _ in rows], [t for _, t, _ in rows])
+        refused = {seq.seq_id for (_, token_id, seq), ok in zip(rows, accepted) if not ok}
+        for (_, token_id, seq), ok in zip(rows, accepted):
+            if not ok:
+                log.error("request %s: grammar refused sampled token %d", seq.request.request_id, token_id)
+        return refused
+
+    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None,
+                refused: bool = False) -> SampleDelta:
         """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
         request, params = seq.request, seq.request.params
         seq.token_ids[position] = token_id
@@ -321,13 +337,9 @@ class LLMEngine:
         reason: str | None = None
         stop_reason: str | int | None = None
         length = position + 1
-        grammar_ended = False
-        if request.grammar is not None:
-            grammar = self._grammar(seq)
-            accepted = grammar.accept(token_id)
-            if not accepted:  # masked out, so never expected: end rather than go off the grammar
-                log.error("request %s: grammar refused sampled token %d", request.request_id, token_id)
-            grammar_ended = not accepted or grammar.is_terminated
+        # A grammar ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos); a
+        # refused token ends the sample rather than let it leave the grammar.
+        grammar_ended = request.grammar is not None and (refused or token_id in self.eos_token_ids)
         if token_id in params.stop_token_ids or token_id in request.eos_token_ids or grammar_ended:
             reason, stop_reason = "stop", token_id
         elif seq.detokenizer and seq.detokenizer.stop_hit is not None:

@@ -103,16 +103,20 @@ def _first_line(e: BaseException) -> str:
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:500]
 
 
-class MaskFiller:
-    """Fills the allowed next tokens of a batch's constrained rows. One C++ call for the batch, on
-    this thread: on the H200's host, handing rows to xgrammar's threads cost more than filling them
+class GrammarBatch:
+    """A step's grammar work in one C++ call each: feed the sampled tokens, fill the next masks. On
+    this thread: on the H200's host, handing rows to xgrammar's threads cost more than the work
     (8 threads: 1.0 ms a step at batch 8, against 0.07 ms a row on one)."""
 
     def __init__(self) -> None:
         self._batch = xgr.BatchGrammarMatcher(1)
 
-    def __call__(self, grammars: list[tuple[int, Grammar]], vocab_size: int) -> TokenMask:
-        """Each (row, grammar)'s mask, filled while the device runs the forward."""
+    def accept(self, grammars: list[Grammar], token_ids: list[int]) -> list[bool]:
+        """Advance each grammar by its token; False where it refused (that grammar is unchanged)."""
+        return self._batch.batch_accept_token([g.matcher for g in grammars], token_ids)
+
+    def fill(self, grammars: list[tuple[int, Grammar]], vocab_size: int) -> TokenMask:
+        """Each (row, grammar)'s allowed next tokens, filled while the device runs the forward."""
         bitmask = torch.empty(len(grammars), (vocab_size + 31) // 32, dtype=torch.int32,
                               pin_memory=torch.cuda.is_available())
         self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], bitmask)

@@ -22,7 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampler import Sampler, SampleRow, TokenMask, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured_output import Grammar, GrammarCompiler, MaskFiller
+from engine.structured_output import Grammar, GrammarBatch, GrammarCompiler
 
 PROMPTS = ["Hello there", "Tell me a story about a dragon", "1 2 3", "The weather today is"]
 REGEX = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2}")
@@ -551,12 +551,12 @@ def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
 
 
 def test_mask_layout_matches_xgrammar(engine: LLMEngine) -> None:
-    """MaskFiller (xgrammar's bits) and apply_token_mask agree on the allowed ids."""
+    """GrammarBatch (xgrammar's bits) and apply_token_mask agree on the allowed ids."""
     compiled = engine.grammars.compile(StructuredOutput.choice(["yes", "no"]))
     grammars = [(1, Grammar(compiled)), (2, Grammar(compiled))]
     assert grammars[1][1].accept(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
     vocab = engine.sample_vocab_size
-    mask = MaskFiller()(grammars, vocab)
+    mask = GrammarBatch().fill(grammars, vocab)
     assert mask.rows == [1, 2]
     for k, (_, grammar) in enumerate(grammars):  # the batch call fills what each matcher fills alone
         alone = xgr.allocate_token_bitmask(1, vocab)
