@@ -38,6 +38,7 @@ class _InFlight:
     positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
     sampled: SamplerOutput | None  # None until launched: a constrained step samples after collecting the last
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
+    grammars_fed: bool = False  # its tokens went to their grammars (before the rest of collecting)
 
 
 @dataclass
@@ -233,17 +234,26 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
         out = self.scheduler.schedule()
         launched = self._launch(out) if out.scheduled else None
+        late = launched is not None and launched.sampled is None  # it has grammar rows: masks first
         if self._in_flight is not None:
-            outputs += self._collect(self._take_in_flight())
-        if launched is not None and launched.sampled is None:
-            # Grammar masks need the tokens just collected; the device ran the forward meanwhile.
-            logits, rows = launched.deferred
-            launched.sampled = self.runner.sample(logits, rows, self._token_mask(launched.sampling))
-            launched.deferred = None
+            in_flight = self._take_in_flight()
+            if late:  # the grammars take the tokens in flight; the sample launches before the rest is collected
+                self._advance_grammars(in_flight)
+                self._sample_late(launched)
+            outputs += self._collect(in_flight)
+        if late and launched.sampled is None:
+            self._sample_late(launched)
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
         return outputs
+
+    def _sample_late(self, launched: _InFlight) -> None:
+        """Sample a step with grammar rows, whose masks need the tokens of the step before; the
+        device ran this step's forward meanwhile."""
+        logits, rows = launched.deferred
+        launched.sampled = self.runner.sample(logits, rows, self._token_mask(launched.sampling))
+        launched.deferred = None
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -274,7 +284,7 @@ class LLMEngine:
         """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
         start = time.perf_counter()
         rows = [(row, self._grammar(s.seq)) for row, s in enumerate(sampling)
-                if s.seq.request.grammar is not None and not s.seq.is_finished]
+                if s.seq.request.grammar is not None and not s.seq.is_finished and not self._grammar(s.seq).ended]
         mask = self.grammar_batch.fill(rows, self.sample_vocab_size) if rows else None
         self.grammar_mask_seconds += time.perf_counter() - start
         return mask
@@ -289,14 +299,14 @@ class LLMEngine:
         """Wait for a launched step's sampled ids; put them in place of their placeholders."""
         outputs: dict[str, RequestOutput] = {}
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
-        refused = self._advance_grammars(in_flight.sampling, token_ids)
+        self._advance_grammars(in_flight)
         for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
             seq, request = s.seq, s.seq.request
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            delta = self._append(seq, position, token_id, lp, seq.seq_id in refused)
+            delta = self._append(seq, position, token_id, lp)
             ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
             ro.deltas.append(delta)
         for ro in outputs.values():
@@ -308,22 +318,24 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _advance_grammars(self, sampling: list[ScheduledSequence], token_ids: list[int]) -> set[int]:
-        """Feed each constrained sample its new token, in one call; the ids of those whose grammar
-        refused it (masked out, so never expected)."""
-        rows = [(self._grammar(s.seq), t, s.seq) for s, t in zip(sampling, token_ids)
+    def _advance_grammars(self, in_flight: _InFlight) -> None:
+        """Feed each constrained sample its new token, all in one call (once per step). A grammar
+        ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos), or on a token
+        it refused (masked out, so never expected): the sample ends rather than leave the grammar."""
+        if in_flight.grammars_fed:
+            return
+        in_flight.grammars_fed = True
+        rows = [(self._grammar(s.seq), t, s.seq) for s, t in zip(in_flight.sampling, in_flight.sampled.token_id_list)
                 if s.seq.request.grammar is not None and not s.seq.is_finished]
         if not rows:
-            return set()
+            return
         accepted = self.grammar_batch.accept([g for g, _, _ in rows], [t for _, t, _ in rows])
-        refused = {seq.seq_id for (_, token_id, seq), ok in zip(rows, accepted) if not ok}
-        for (_, token_id, seq), ok in zip(rows, accepted):
+        for (grammar, token_id, seq), ok in zip(rows, accepted):
+            grammar.ended = not ok or token_id in self.eos_token_ids
             if not ok:
                 log.error("request %s: grammar refused sampled token %d", seq.request.request_id, token_id)
-        return refused
 
-    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None,
-                refused: bool = False) -> SampleDelta:
+    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
         """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
         request, params = seq.request, seq.request.params
         seq.token_ids[position] = token_id
@@ -337,9 +349,7 @@ class LLMEngine:
         reason: str | None = None
         stop_reason: str | int | None = None
         length = position + 1
-        # A grammar ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos); a
-        # refused token ends the sample rather than let it leave the grammar.
-        grammar_ended = request.grammar is not None and (refused or token_id in self.eos_token_ids)
+        grammar_ended = seq.grammar is not None and seq.grammar.ended
         if token_id in params.stop_token_ids or token_id in request.eos_token_ids or grammar_ended:
             reason, stop_reason = "stop", token_id
         elif seq.detokenizer and seq.detokenizer.stop_hit is not None:

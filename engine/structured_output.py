@@ -25,6 +25,7 @@ class Grammar:
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.ended = False  # it took a stop token, or refused one: the sample is over
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (then it is unchanged)."""
