@@ -14,10 +14,10 @@ from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.errors import typed_error_body
-from app.generation import Generation, collect, join_choices, observed, read_json, start, state_of
+from app.generation import Generation, collect, event_stream, join_choices, observed, read_json, start, state_of
 from app.json import SSE_DONE, JSONResponse, sse
 from app.protocol import ChatCompletionRequest, ToolUse
 from app.tools import ArgumentsDelta, ContentDelta, Event, ToolCallParser, ToolCallStart, ToolFormat, format_for
@@ -151,14 +151,11 @@ async def chat_completions(request: Request) -> Response:
     want_logprobs = params.logprobs is not None
     tools = ChoiceTools(fmt)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(chat_stream(engine, gen, outputs, include_usage, want_logprobs, tools),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(chat_stream(engine, gen, outputs, body.include_usage, want_logprobs, tools))
     items = await collect(request, outputs)
     if items is None:
         return Response(status_code=499)
-    return JSONResponse({
-        "id": gen.id, "object": "chat.completion", "created": gen.created, "model": gen.model,
+    return JSONResponse(gen.head("chat.completion") | {
         "choices": [{"index": k, "message": message(tools, k, c.text),
                      "logprobs": chat_logprobs(engine, c.logprobs) if want_logprobs else None,
                      "finish_reason": tools.finish_reason(k, c.finish_reason)}
@@ -171,7 +168,7 @@ async def chat_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterat
                       include_usage: bool, want_logprobs: bool, tools: ChoiceTools) -> AsyncIterator[bytes]:
     """OpenAI's chunk format: one id; role on each choice's first chunk; no empty chunks;
     finish_reason only on each choice's last; usage alone in a final chunk when asked."""
-    head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model}
+    head = gen.head("chat.completion.chunk")
     extra = {"usage": None} if include_usage else {}
     opened: set[int] = set()
     pending_logprobs: dict[int, list[TokenLogprobs]] = {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from app import tracing
 from app.errors import APIError
@@ -69,6 +70,10 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(u.completion_tokens for u in self.usages.values())
+
+    def head(self, object: str) -> dict[str, Any]:
+        """The fields every response body and chunk of this generation starts with."""
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
     def usage(self) -> dict[str, Any]:
         """The engine's usage summed over the prompts (each prompt counted once, every choice's tokens)."""
@@ -209,3 +214,8 @@ def join_choices(items: list[tuple[int, RequestOutput]], n: int, prefix: dict[in
             c.logprobs += d.logprobs or []
             c.finish_reason = d.finish_reason or c.finish_reason
     return sorted(choices.items())
+
+
+def event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """A streamed answer: server-sent events, never cached by a proxy."""
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

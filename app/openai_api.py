@@ -7,10 +7,10 @@ from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.errors import typed_error_body
-from app.generation import Generation, collect, join_choices, observed, read_json, start, state_of
+from app.generation import Generation, collect, event_stream, join_choices, observed, read_json, start, state_of
 from app.json import SSE_DONE, JSONResponse, sse
 from app.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.state import AppState
@@ -49,14 +49,11 @@ async def completions(request: Request) -> Response:
                 for i, p in enumerate(prompts)}
     want_logprobs = params.logprobs is not None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(completion_stream(engine, gen, outputs, include_usage, want_logprobs, echo),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return event_stream(completion_stream(engine, gen, outputs, body.include_usage, want_logprobs, echo))
     items = await collect(request, outputs)
     if items is None:
         return Response(status_code=499)
-    return JSONResponse({
-        "id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model,
+    return JSONResponse(gen.head("text_completion") | {
         "choices": [{"index": k, "text": c.text,
                      "logprobs": completion_logprobs(engine, c.logprobs, 0) if want_logprobs else None,
                      "finish_reason": c.finish_reason} for k, c in join_choices(items, gen.n, echo)],
@@ -66,7 +63,7 @@ async def completions(request: Request) -> Response:
 
 async def completion_stream(engine: AsyncEngine, gen: Generation, outputs: AsyncIterator[tuple[int, RequestOutput]],
                             include_usage: bool, want_logprobs: bool, echo: dict[int, str]) -> AsyncIterator[bytes]:
-    head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": gen.model}
+    head = gen.head("text_completion")
     extra = {"usage": None} if include_usage else {}
     echoed: set[int] = set()
     offsets: dict[int, int] = {}

@@ -145,6 +145,11 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A final usage chunk is asked for (streams only)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true.", param="stream_options")
