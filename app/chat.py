@@ -42,16 +42,20 @@ def chat_logprobs(engine: AsyncEngine, logprobs: list[TokenLogprobs]) -> dict[st
 
 
 def with_tools(fmt: ToolFormat, use: ToolUse, messages: list[dict[str, Any]], params: SamplingParams) -> list[dict[str, Any]]:
-    """Constrain params to the tool-call grammar of `fmt` (combined with a JSON response format, if
-    any: then the answer is either calls or that JSON), and give a template that knows no tools
-    their description and the earlier calls as text."""
-    grammar = fmt.grammar(use.tools, use.choice, use.parallel)
-    if params.structured is not None:
-        grammar = _either(grammar, params.structured)
+    """Constrain params to the tool-call grammar of `fmt` (with tool_choice auto and a JSON response
+    format: either calls or that JSON), and give a template that knows no tools their description
+    and the earlier calls as text."""
+    answer_format = params.structured if use.choice == "auto" else None  # required/named: calls only
+    if answer_format is None:
+        grammar = fmt.grammar(use.tools, use.choice, use.parallel)
+    else:  # calls from the first character, or the JSON answer: free text would escape both
+        grammar = _either(fmt.grammar(use.tools, "required", use.parallel), answer_format)
     params.structured = StructuredOutput("structural_tag", grammar, param="tools")
     params.skip_special_tokens = False  # call markers may be special tokens ([TOOL_CALLS], <|python_tag|>)
     if (prompt := fmt.system_prompt(use.tools, use.choice, use.parallel)) is None:
         return messages
+    if answer_format is not None:
+        prompt += "\nIf you call no tool, reply with the JSON answer only."
     messages = [_calls_as_text(fmt, m) for m in messages]
     if messages[0]["role"] == "system":
         return [messages[0] | {"content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]

@@ -6,6 +6,7 @@ from an engine error class to its HTTP status and OpenAI error type.
 from __future__ import annotations
 
 import logging
+import re
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -61,10 +62,16 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
     return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
+_UNION_MEMBER = re.compile(r"[^a-z0-9_]|^(str|int|float|bool|dict|list|none)$")
+
+
 def _param(loc: tuple) -> str:
-    """pydantic's location ('messages', 0, 'role') as OpenAI writes it: messages[0].role."""
+    """pydantic's location ('messages', 0, 'role') as OpenAI writes it: messages[0].role. It ends
+    where pydantic names a union's member ("literal['auto']", "list[TextPart]", "str"): not a field."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and _UNION_MEMBER.search(part):
+            break
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 

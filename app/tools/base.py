@@ -14,8 +14,9 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a tool withou
 
 @dataclass
 class ToolCall:
-    """One complete tool call. `arguments` is the arguments object's JSON text exactly as the model
-    wrote it (its own whitespace kept), which is also the join of the call's ArgumentsDeltas."""
+    """One tool call. `arguments` is the arguments object's JSON text exactly as the model wrote it
+    (its own whitespace kept), which is also the join of the call's ArgumentsDeltas; cut short by
+    max_tokens (finish_reason "length"), it is what the model got to write."""
 
     id: str
     name: str

@@ -13,9 +13,10 @@ follow a call: "</tool_call>" (Hermes), or "," / "]" in a list.
 Content is streamed as soon as it cannot be the start of a trigger (only a possible trigger prefix
 is held back, as with stop strings). Whitespace is held back too, and dropped when a call follows
 it (or ends the output after calls), so "Sure.\\n\\n<tool_call>" gives the content "Sure.".
-Output that breaks the format (bad JSON, truncation) is never an error: the text of the failed
-call, markers included, becomes content again and scanning resumes one character later. A call
-that fails after its ToolCallStart was emitted is left out of `calls` and its index is not reused.
+Output that breaks the format before a call's name is complete is never an error: the text of the
+failed call, markers included, becomes content again and scanning resumes one character later.
+Once its ToolCallStart is out, a call is never taken back: cut short (max_tokens) or malformed, it
+ends as far as it got, so a stream and a whole reply always carry the same calls.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class ToolCallParser:
 
     @property
     def calls(self) -> list[ToolCall]:
-        """The complete, well-formed calls parsed so far."""
+        """The calls parsed so far: each whose start was emitted, one cut short with the arguments it got."""
         return list(self._calls)
 
     def feed(self, text: str) -> list[Event]:
@@ -143,17 +144,15 @@ class ToolCallParser:
         if closed:
             self._state = _State.TAIL
             return True
-        return self._fail() if final else n > 0
+        return self._cut() if final else n > 0
 
     def _step_tail(self, final: bool) -> bool:
         rest = self._buf.lstrip(WHITESPACE)
         if not rest:
-            if final:
-                return self._fail()
             self._consume(len(self._buf))
-            return False
-        if rest[0] != "}" or not _is_json_object(self._args):
-            return self._fail()
+            return self._cut() if final else False
+        if rest[0] != "}":
+            return self._cut()  # what follows is read as content again
         self._consume(len(self._buf) - len(rest) + 1)
         self._calls.append(ToolCall(self._id, self._name, self._args))
         self._attempt, self._attempt_held = "", ""
@@ -196,6 +195,14 @@ class ToolCallParser:
             self._state = _State.OPEN if self.wire.list_calls else _State.HEAD
         else:
             self._state = _State.HEAD
+
+    def _cut(self) -> bool:
+        """End a call whose ToolCallStart is out as far as it got (its arguments may be partial)."""
+        self._calls.append(ToolCall(self._id, self._name, self._args))
+        self._attempt, self._attempt_held, self._in_list = "", "", False
+        self._after_call = True
+        self._state = _State.CONTENT
+        return True
 
     def _fail(self) -> bool:
         """Give the failed call's text back as content; rescan all but its first character."""
@@ -331,10 +338,3 @@ def _scan_head(text: str) -> tuple[int | None, str | None]:
                 return None, ""
         pos = end
     return pos - 1, name  # the arguments' "{" is left for ARGS
-
-
-def _is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False

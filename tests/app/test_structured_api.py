@@ -116,11 +116,27 @@ def test_required_and_named_tool_calls(client, stream) -> None:
 
 
 def test_streamed_calls_join_to_the_non_streamed_ones(client) -> None:
-    whole, reason, _ = call(client, ASK, TOOLS, "required", parallel_tool_calls=False)
-    streamed, _, _ = call(client, ASK, TOOLS, "required", stream=True, parallel_tool_calls=False)
-    assert reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed] == \
-           [(c.function.name, c.function.arguments) for c in whole]
+    for kw in ({"parallel_tool_calls": False}, {"max_tokens": 40}):  # the second is cut inside a call
+        whole, reason, content = call(client, ASK, TOOLS, "required", **kw)
+        streamed, streamed_reason, streamed_content = call(client, ASK, TOOLS, "required", stream=True, **kw)
+        assert (reason, streamed_reason) == (("tool_calls",) * 2 if kw.get("parallel_tool_calls") is False
+                                             else ("length",) * 2)
+        assert [(c.function.name, c.function.arguments) for c in streamed] == \
+               [(c.function.name, c.function.arguments) for c in whole]
+        assert not content and not streamed_content  # no call markup leaks, cut short or not
+
+
+def test_tools_with_a_response_format_give_calls_or_the_json(client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": LISTING}}
+    for choice, stream in (("auto", False), ("required", True)):
+        calls, reason, content = call(client, [{"role": "user", "content": "List two items."}], TOOLS, choice,
+                                      stream=stream, response_format=fmt, parallel_tool_calls=False)
+        if calls or choice == "required":
+            assert reason == "tool_calls" and not content
+            check_calls(calls, {"get_weather", "get_time"})
+        else:
+            assert reason == "stop"
+            jsonschema.validate(json.loads(content), LISTING)
 
 
 def test_auto_answers_in_text_or_in_valid_calls(client) -> None:
@@ -152,9 +168,12 @@ def test_random_weights_under_required_make_only_valid_calls(random_client) -> N
         calls, reason, _ = call(random_client, ASK, TOOLS, "required", stream=seed % 2 == 1, temperature=1.0,
                                 seed=seed, max_tokens=100)
         assert reason in ("tool_calls", "length"), reason
-        check_calls(calls, {"get_weather", "get_time"})
+        complete = calls if reason == "tool_calls" else calls[:-1]  # a call cut short keeps what it got
+        assert all(c.function.name in SCHEMAS for c in calls)
+        if complete:
+            check_calls(complete, {"get_weather", "get_time"})
         counts.append(len(calls))
-    assert max(counts) > 1, counts  # parallel calls happen, each of them valid
+    assert max(counts) > 1, counts  # parallel calls happen; every complete one is valid
 
 
 def test_bad_inputs_are_400s_naming_the_param(client) -> None:

@@ -210,14 +210,26 @@ def test_the_name_is_announced_before_the_arguments_end(fmt: str) -> None:
 def test_malformed_calls_become_content(fmt: str) -> None:
     whole = output(fmt, PARIS)
     broken = [
-        whole[:-len(whole) // 3],  # truncated inside the arguments
-        output(fmt, ("get_weather", '{"city": Paris}')),  # arguments not JSON
         output(fmt, ("", "{}")),  # no name
         whole.replace('"arguments"', '"args"').replace('"parameters"', '"args"'),
     ]
     for text in broken:
         assert parse(fmt, [text]) == (text, []), text
         assert parse(fmt, list(text)) == (text, []), text
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_started_call_is_never_taken_back(fmt: str) -> None:
+    """Once its name is out, a call stays a call: cut short by max_tokens it keeps the arguments it
+    got (as the stream already sent them), and no markup turns into content."""
+    whole = output(fmt, PARIS)
+    cut = whole[:-len(whole) // 3]
+    for chunks in ([cut], list(cut)):
+        content, calls = parse(fmt, chunks)
+        assert content == "" and len(calls) == 1 and calls[0][0] == "get_weather", (content, calls)
+        assert PARIS[1].startswith(calls[0][1])
+    loose = output(fmt, ("get_weather", '{"city": Paris}'))  # only a grammar makes arguments valid JSON
+    assert parse(fmt, [loose]) == ("", [("get_weather", '{"city": Paris}')])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
