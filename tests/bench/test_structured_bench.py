@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"model", "system", "metric", "batch", "prompt_tokens", "value", "min", "max", "runs", "grammar"}
 
 
-def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path) -> None:
+def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path, default_model_dir: Path) -> None:
     out = tmp_path / "structured.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch path, not the interpreter
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "structured.py"), "--smoke", "--device", "cpu", "--shape", "tiny-llama3",
-         "--vocab-size", "49152", "--out", str(out)],
+         "--vocab-size", "49152", "--tokenizer", str(default_model_dir), "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
