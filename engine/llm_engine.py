@@ -283,8 +283,9 @@ class LLMEngine:
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
         start = time.perf_counter()
-        rows = [(row, self._grammar(s.seq)) for row, s in enumerate(sampling)
-                if s.seq.request.grammar is not None and not s.seq.is_finished and not self._grammar(s.seq).ended]
+        rows = [(row, grammar) for row, s in enumerate(sampling)
+                if s.seq.request.grammar is not None and not s.seq.is_finished
+                and not (grammar := self._grammar(s.seq)).ended]
         mask = self.grammar_batch.fill(rows, self.sample_vocab_size) if rows else None
         self.grammar_mask_seconds += time.perf_counter() - start
         return mask

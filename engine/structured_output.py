@@ -20,21 +20,13 @@ from engine.sampler import TokenMask
 from engine.sampling_params import GRAMMAR_KINDS, StructuredOutput
 from engine.tokenizer import Tokenizer
 
+
 class Grammar:
     """One sequence's position in its request's grammar."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.ended = False  # it took a stop token, or refused one: the sample is over
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it (then it is unchanged)."""
-        return self.matcher.accept_token(token_id)
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar has ended (it accepted a stop token): nothing more may be generated."""
-        return self.matcher.is_terminated()
 
 
 def _choice_grammar(spec: str) -> str:

@@ -554,7 +554,7 @@ def test_mask_layout_matches_xgrammar(engine: LLMEngine) -> None:
     """GrammarBatch (xgrammar's bits) and apply_token_mask agree on the allowed ids."""
     compiled = engine.grammars.compile(StructuredOutput.choice(["yes", "no"]))
     grammars = [(1, Grammar(compiled)), (2, Grammar(compiled))]
-    assert grammars[1][1].accept(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
+    assert grammars[1][1].matcher.accept_token(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
     vocab = engine.sample_vocab_size
     mask = GrammarBatch().fill(grammars, vocab)
     assert mask.rows == [1, 2]
