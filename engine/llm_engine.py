@@ -38,7 +38,7 @@ class _InFlight:
     positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
     sampled: SamplerOutput | None  # None until launched: a constrained step samples after collecting the last
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
-    grammars_fed: bool = False  # its tokens went to their grammars (before the rest of collecting)
+    grammars_fed: bool = False  # its tokens went to their grammars, or it has none: nothing to feed
 
 
 @dataclass
@@ -278,7 +278,7 @@ class LLMEngine:
             positions.append(s.seq.num_tokens)
             s.seq.token_ids.append(placeholder(row))
             s.seq.num_placeholders += 1
-        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows))
+        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), grammars_fed=not constrained)
 
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
