@@ -65,7 +65,7 @@ def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path, default_m
         s = samples["decode", batch]
         assert len(s["token_ids"]) > 3 and not s["finished"]
         grammar = Grammar(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["decode"])))
-        assert all(grammar.accept(t) for t in s["token_ids"]) and not grammar.is_terminated
+        assert all(grammar.matcher.accept_token(t) for t in s["token_ids"]) and not grammar.matcher.is_terminated()
         head = '{"records": [{"id": '
         assert s["text"].startswith(head) or head.startswith(s["text"]), s["text"]
     s = samples["finite", 1]
@@ -76,7 +76,7 @@ def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path, default_m
     assert 0 <= record["score"] <= 100 and len(record["tags"]) <= 4
     assert set(record["tags"]) <= {"new", "sale", "featured", "clearance", "limited"}
     grammar = Grammar(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["record"])))
-    assert all(grammar.accept(t) for t in s["token_ids"]) and grammar.is_terminated
+    assert all(grammar.matcher.accept_token(t) for t in s["token_ids"]) and grammar.matcher.is_terminated()
 
     lines = proc.stdout.rstrip().splitlines()
     assert ("| batch | minillm tok/s (min–max) | minillm-json tok/s (min–max) | json / plain | goal "
