@@ -14,6 +14,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from engine.model_runner import StepInputs
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs, TokenMask
@@ -36,9 +37,10 @@ class _InFlight:
 
     sampling: list[ScheduledSequence]
     positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
-    sampled: SamplerOutput | None  # None until launched: a constrained step samples after collecting the last
+    sampled: SamplerOutput | None  # None while a step with grammar rows waits to sample (next step() call)
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
-    grammars_fed: bool = False  # its tokens went to their grammars, or it has none: nothing to feed
+    constrained: bool = False  # some row has a grammar: it samples late, and its tokens feed grammars
+    mask: TokenMask | None = None  # its grammar rows' allowed tokens, filled once the step before is read
 
 
 @dataclass
@@ -227,50 +229,53 @@ class LLMEngine:
         The device runs step N while the host schedules and launches step N+1, whose inputs name
         step N's tokens by placeholder; only then does the host wait for step N's sampled ids. So
         outputs lag one step, and a sequence that finished in step N computes one token too many.
+
+        A step with grammar rows samples one call later: its masks need step N's tokens, read only
+        after its forward launched. They are filled at the end of this call while the device runs
+        that forward; the next call samples it just before its own forward launches behind it.
         """
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and any(s.seq.request.params.penalized for s in self._in_flight.sampling):
+        prev = self._in_flight
+        if prev is not None and any(s.seq.request.params.penalized for s in prev.sampling):
             # Penalties read the real history: let the step in flight land before the next is made.
             outputs += self._collect(self._take_in_flight())
+            prev = None
         out = self.scheduler.schedule()
-        launched = self._launch(out) if out.scheduled else None
-        late = launched is not None and launched.sampled is None  # it has grammar rows: masks first
-        if self._in_flight is not None:
-            in_flight = self._take_in_flight()
-            if late:  # the grammars take the tokens in flight; the sample launches before the rest is collected
-                self._advance_grammars(in_flight)
-                self._sample_late(launched)
-            outputs += self._collect(in_flight)
-        if late and launched.sampled is None:
-            self._sample_late(launched)
+        step = self.runner.prepare(out, len(prev.sampling) if prev else None) if out.scheduled else None
+        if prev is not None and prev.sampled is None:
+            self._sample_deferred(prev)
+        launched = self._launch(out, step, prev) if step is not None else None
+        if prev is not None:
+            outputs += self._collect(self._take_in_flight())
+        if launched is not None and launched.constrained:  # its grammars have seen every earlier token now
+            launched.mask = self._token_mask(launched.sampling)
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
         return outputs
 
-    def _sample_late(self, launched: _InFlight) -> None:
-        """Sample a step with grammar rows, whose masks need the tokens of the step before; the
-        device ran this step's forward meanwhile."""
-        logits, rows = launched.deferred
-        launched.sampled = self.runner.sample(logits, rows, self._token_mask(launched.sampling))
-        launched.deferred = None
+    def _sample_deferred(self, in_flight: _InFlight) -> None:
+        """Launch the sampling of a step with grammar rows, under the masks filled for it."""
+        logits, rows = in_flight.deferred
+        in_flight.sampled = self.runner.sample(logits, rows, in_flight.mask)
+        in_flight.deferred = in_flight.mask = None
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
         assert in_flight is not None
         return in_flight
 
-    def _launch(self, out: SchedulerOutput) -> _InFlight | None:
+    def _launch(self, out: SchedulerOutput, step: StepInputs, prev: _InFlight | None) -> _InFlight | None:
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        logits = self.runner.execute(out, self._in_flight.sampled if self._in_flight else None)
+        logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None else None)
         if logits is None:
             return None
         sampling = [s for s in out.scheduled if s.samples]
         rows = [self.runner.sample_row(s) for s in sampling]
-        # Unconstrained steps sample now; a step with a grammar row waits for the step in flight.
+        # Unconstrained steps sample now; a step with a grammar row waits for its masks.
         constrained = any(s.seq.request.grammar is not None for s in sampling)
         sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
@@ -278,7 +283,7 @@ class LLMEngine:
             positions.append(s.seq.num_tokens)
             s.seq.token_ids.append(placeholder(row))
             s.seq.num_placeholders += 1
-        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), grammars_fed=not constrained)
+        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained)
 
     def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
         """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
@@ -286,7 +291,7 @@ class LLMEngine:
         rows = [(row, grammar) for row, s in enumerate(sampling)
                 if s.seq.request.grammar is not None and not s.seq.is_finished
                 and not (grammar := self._grammar(s.seq)).ended]
-        mask = self.grammar_batch.fill(rows, self.sample_vocab_size) if rows else None
+        mask = self.grammar_batch.fill(rows, len(sampling), self.sample_vocab_size) if rows else None
         self.grammar_mask_seconds += time.perf_counter() - start
         return mask
 
@@ -297,10 +302,14 @@ class LLMEngine:
         return seq.grammar
 
     def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
-        """Wait for a launched step's sampled ids; put them in place of their placeholders."""
+        """Wait for a launched step's sampled ids (sampling it first if it waits to); put them in
+        place of their placeholders."""
+        if in_flight.sampled is None:
+            self._sample_deferred(in_flight)
         outputs: dict[str, RequestOutput] = {}
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
-        self._advance_grammars(in_flight)
+        if in_flight.constrained:
+            self._advance_grammars(in_flight)
         for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
             seq, request = s.seq, s.seq.request
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
@@ -323,9 +332,6 @@ class LLMEngine:
         """Feed each constrained sample its new token, all in one call (once per step). A grammar
         ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos), or on a token
         it refused (masked out, so never expected): the sample ends rather than leave the grammar."""
-        if in_flight.grammars_fed:
-            return
-        in_flight.grammars_fed = True
         rows = [(self._grammar(s.seq), t, s.seq) for s, t in zip(in_flight.sampling, in_flight.sampled.token_id_list)
                 if s.seq.request.grammar is not None and not s.seq.is_finished]
         if not rows:

@@ -8,10 +8,10 @@ Nothing here waits for the device. A step is launched while the previous one sti
 input ids may be placeholders (see engine.sequence.placeholder) for tokens that the previous
 step is still sampling: they are taken from that step's device output, inside the graph.
 
-Under tensor parallelism every rank has a runner over its shard. Rank 0's `execute` turns the
-scheduler's output into StepInputs, publishes them to the other ranks, and `sample` samples; the others
-`follow` each step with the same forward (collectives included, graphs too) and take rank 0's
-sampled ids by broadcast, for their next placeholders.
+Under tensor parallelism every rank has a runner over its shard. Rank 0's `prepare` turns the
+scheduler's output into StepInputs, `launch` publishes them to the other ranks, and `sample`
+samples; the others `follow` each step with the same forward (collectives included, graphs
+too) and take rank 0's sampled ids by broadcast, for their next placeholders.
 """
 from __future__ import annotations
 
@@ -145,17 +145,16 @@ class ModelRunner:
         return to_device(data, dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev: SamplerOutput | None = None) -> torch.Tensor | None:
-        """Launch the scheduled tokens' forward; the logits of the rows that sample, or None if none
-        does. `prev` is the step still in flight, whose sampled ids fill placeholders."""
-        step = self.prepare(out, prev)
+    def launch(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+        """Launch a prepared step's forward; the logits of the rows that sample, or None if none does.
+        `prev` holds the sampled ids of the step still in flight, which the placeholders name."""
         if self.publish is not None:
             self.publish(step)
-        return self.forward(step, prev.token_ids if prev is not None else None)
+        return self.forward(step, prev)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None) -> SamplerOutput:
-        """Launch the sampling of execute's logits (one row per sampling sequence, in order) and the
+        """Launch the sampling of launch's logits (one row per sampling sequence, in order) and the
         copy of the ids to the host; the other ranks take them too, for their next placeholders."""
         sampled = self.sampler(logits, rows, mask)
         self.model.tp.broadcast(sampled.token_ids)
@@ -169,8 +168,9 @@ class ModelRunner:
         if logits is not None:
             self._followed = self.model.tp.broadcast(torch.empty(len(logits), dtype=torch.int64, device=self.device))
 
-    def prepare(self, out: SchedulerOutput, prev: SamplerOutput | None) -> StepInputs:
-        """The step's batch, from the scheduled sequences (host work only)."""
+    def prepare(self, out: SchedulerOutput, prev_rows: int | None) -> StepInputs:
+        """The step's batch, from the scheduled sequences (host work only). `prev_rows`: how many ids
+        the step in flight samples, whose placeholders this step's inputs may hold (None: no step)."""
         computing = [s for s in out.scheduled if s.num_new_tokens]
         input_ids: list[int] = []
         positions: list[int] = []
@@ -197,8 +197,8 @@ class ModelRunner:
             block_tables=[s.seq.block_table for s in computing],
             block_copies=out.block_copies,
             logit_rows=[last_row[(s.sample_from or s.seq).seq_id] for s in sampling],
-            graph_batch=self._graph_for(computing, sampling, prev),
-            has_prev=prev is not None,
+            graph_batch=self._graph_for(computing, sampling, prev_rows),
+            has_prev=prev_rows is not None,
         )
 
     def forward(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
@@ -219,12 +219,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[self._tensor(step.logit_rows, torch.int64)])
 
     def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence],
-                   prev: SamplerOutput | None) -> int | None:
+                   prev_rows: int | None) -> int | None:
         """A captured graph fits a step whose every sequence decodes one token and samples it."""
         if not self.graphs or len(computing) != len(sampling) or any(s.num_new_tokens != 1 or s.sample_from
                                                                      for s in computing):
             return None
-        if prev is not None and len(prev.token_ids) > len(self.prev_tokens):
+        if prev_rows is not None and prev_rows > len(self.prev_tokens):
             return None
         return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
 

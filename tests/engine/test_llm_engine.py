@@ -63,8 +63,8 @@ def test_mixed_batch_matches_transformers(default_model_dir, reference) -> None:
 def test_chunked_prefill_matches_transformers(default_model_dir, reference) -> None:
     engine = make_engine(default_model_dir, max_num_batched_tokens=16)
     chunks = []
-    original = engine.runner.execute
-    engine.runner.execute = lambda out, prev=None: chunks.append(out.num_batched_tokens) or original(out, prev)
+    original = engine.runner.prepare
+    engine.runner.prepare = lambda out, prev_rows: chunks.append(out.num_batched_tokens) or original(out, prev_rows)
     results = engine.generate(CHATS, GREEDY)
     assert [r.token_ids for r in results] == reference
     assert max(chunks) <= 16 and len(chunks) > 32  # every prompt (30+ tokens) took several steps

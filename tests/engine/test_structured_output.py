@@ -556,15 +556,15 @@ def test_mask_layout_matches_xgrammar(engine: LLMEngine) -> None:
     grammars = [(1, Grammar(compiled)), (2, Grammar(compiled))]
     assert grammars[1][1].matcher.accept_token(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
     vocab = engine.sample_vocab_size
-    mask = GrammarBatch().fill(grammars, vocab)
-    assert mask.rows == [1, 2]
-    for k, (_, grammar) in enumerate(grammars):  # the batch call fills what each matcher fills alone
+    mask = GrammarBatch().fill(grammars, 3, vocab)
+    assert mask.rows == [0, 1, 2] and torch.all(mask.bitmask[0] == -1)  # row 0 has no grammar: all allowed
+    for row, grammar in grammars:  # the batch call fills what each matcher fills alone, in its row
         alone = xgr.allocate_token_bitmask(1, vocab)
         grammar.matcher.fill_next_token_bitmask(alone)
-        assert torch.equal(alone[0], mask.bitmask[k])
+        assert torch.equal(alone[0], mask.bitmask[row])
     masked = apply_token_mask(torch.zeros(3, vocab), mask)
-    for k, (row, _) in enumerate(grammars):
-        expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[k: k + 1], vocab)[0]
+    for row, _ in grammars:
+        expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[row: row + 1], vocab)[0]
         assert torch.equal(masked[row] == 0, expected)
     first = set(torch.nonzero(masked[1] == 0).flatten().tolist())
     decoded = {engine.tokenizer.decode([t]) for t in first}
