@@ -17,11 +17,12 @@ from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadErro
 from engine.model_runner import StepInputs
 from engine.model_store import resolve_model
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
-from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs, TokenMask
+from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.structured_output import Grammar, GrammarBatch, GrammarCompiler
+from engine.grammar_worker import Grammar, GrammarWorker
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
 from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
 from engine.workers import start_tensor_parallel
@@ -40,7 +41,7 @@ class _InFlight:
     sampled: SamplerOutput | None  # None while a step with grammar rows waits to sample (next step() call)
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
     constrained: bool = False  # some row has a grammar: it samples late, and its tokens feed grammars
-    mask: TokenMask | None = None  # its grammar rows' allowed tokens, filled once the step before is read
+    masked: bool = False  # the grammar worker fills its masks (sent once the step before is read)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class EngineStats:
     computed_prompt_tokens: int  # prompt tokens whose KV was computed: not from the prefix cache
     generation_tokens: int
     constrained_requests: int  # requests with a grammar (structured output, tools)
-    grammar_mask_seconds: float  # host time spent filling grammar token masks
+    grammar_mask_seconds: float  # the grammar worker's time feeding tokens and filling masks
 
 
 class LLMEngine:
@@ -86,9 +87,9 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
-            self.grammars = (GrammarCompiler(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
+            self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
                              if self.tokenizer else None)
-            self.grammar_batch = GrammarBatch()
+            self.grammar_worker = GrammarWorker(self.grammars.info, self.sample_vocab_size) if self.grammars else None
         except BaseException:
             self.close()
             raise
@@ -97,14 +98,16 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.constrained_requests_total = 0
-        self.grammar_mask_seconds = 0.0
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s); max_model_len %d",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.kv_bytes_per_block / 2**20, f" on each of {self.tp.size} ranks" if self.tp.size > 1 else "",
                  self.max_model_len)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        """Stop the grammar worker and the other tensor-parallel ranks."""
+        if getattr(self, "grammar_worker", None) is not None:  # None too if the engine failed to start
+            self.grammar_worker.close()
+            self.grammar_worker = None
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -132,7 +135,9 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run one tiny request through every stage (first-call costs land here, not on a client),
-        then forget it: counters start from zero."""
+        then forget it: counters start from zero. The grammar worker starts too."""
+        if self.grammar_worker is not None:
+            self.grammar_worker.start()
         self.generate([[self.model_config.bos_token_id or 1] * 4], SamplingParams(max_tokens=1, ignore_eos=True))
         self.prompt_tokens_total = self.generation_tokens_total = 0
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
@@ -248,7 +253,7 @@ class LLMEngine:
         if prev is not None:
             outputs += self._collect(self._take_in_flight())
         if launched is not None and launched.constrained:  # its grammars have seen every earlier token now
-            launched.mask = self._token_mask(launched.sampling)
+            launched.masked = self._fill_masks(launched.sampling)
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
@@ -257,8 +262,9 @@ class LLMEngine:
     def _sample_deferred(self, in_flight: _InFlight) -> None:
         """Launch the sampling of a step with grammar rows, under the masks filled for it."""
         logits, rows = in_flight.deferred
-        in_flight.sampled = self.runner.sample(logits, rows, in_flight.mask)
-        in_flight.deferred = in_flight.mask = None
+        mask = self.grammar_worker.masks() if in_flight.masked else None
+        in_flight.sampled = self.runner.sample(logits, rows, mask)
+        in_flight.deferred = None
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -285,20 +291,19 @@ class LLMEngine:
             s.seq.num_placeholders += 1
         return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained)
 
-    def _token_mask(self, sampling: list[ScheduledSequence]) -> TokenMask | None:
-        """The allowed next tokens of each constrained row (its grammar has seen every earlier token)."""
-        start = time.perf_counter()
+    def _fill_masks(self, sampling: list[ScheduledSequence]) -> bool:
+        """Have the grammar worker fill each constrained row's allowed next tokens (its grammar has
+        seen every earlier token); False if no row needs one."""
         rows = [(row, grammar) for row, s in enumerate(sampling)
                 if s.seq.request.grammar is not None and not s.seq.is_finished
                 and not (grammar := self._grammar(s.seq)).ended]
-        mask = self.grammar_batch.fill(rows, len(sampling), self.sample_vocab_size) if rows else None
-        self.grammar_mask_seconds += time.perf_counter() - start
-        return mask
+        if rows:
+            self.grammar_worker.submit(rows, len(sampling))
+        return bool(rows)
 
-    @staticmethod
-    def _grammar(seq: Sequence) -> Grammar:
+    def _grammar(self, seq: Sequence) -> Grammar:
         if seq.grammar is None:  # each sample (forks too) starts at the grammar's beginning
-            seq.grammar = Grammar(seq.request.grammar)
+            seq.grammar = self.grammar_worker.grammar(seq.request.params.structured)
         return seq.grammar
 
     def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
@@ -329,18 +334,15 @@ class LLMEngine:
         return list(outputs.values())
 
     def _advance_grammars(self, in_flight: _InFlight) -> None:
-        """Feed each constrained sample its new token, all in one call (once per step). A grammar
-        ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos), or on a token
-        it refused (masked out, so never expected): the sample ends rather than leave the grammar."""
-        rows = [(self._grammar(s.seq), t, s.seq) for s, t in zip(in_flight.sampling, in_flight.sampled.token_id_list)
-                if s.seq.request.grammar is not None and not s.seq.is_finished]
-        if not rows:
-            return
-        accepted = self.grammar_batch.accept([g for g, _, _ in rows], [t for _, t, _ in rows])
-        for (grammar, token_id, seq), ok in zip(rows, accepted):
-            grammar.ended = not ok or token_id in self.eos_token_ids
-            if not ok:
-                log.error("request %s: grammar refused sampled token %d", seq.request.request_id, token_id)
+        """Feed each constrained sample its new token (the worker takes them with the next step). A
+        grammar ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos), or on a
+        token it refused (masked out, so never expected; the worker says so): the sample ends rather
+        than leave the grammar."""
+        for s, token_id in zip(in_flight.sampling, in_flight.sampled.token_id_list):
+            if s.seq.request.grammar is not None and not s.seq.is_finished:
+                grammar = self._grammar(s.seq)
+                self.grammar_worker.accept(grammar, token_id)
+                grammar.ended = grammar.ended or token_id in self.eos_token_ids
 
     def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
         """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
@@ -401,7 +403,7 @@ class LLMEngine:
             computed_prompt_tokens=self.scheduler.num_computed_prompt_tokens,
             generation_tokens=self.generation_tokens_total,
             constrained_requests=self.constrained_requests_total,
-            grammar_mask_seconds=self.grammar_mask_seconds,
+            grammar_mask_seconds=self.grammar_worker.mask_seconds if self.grammar_worker else 0.0,
         )
 
     # ---- offline use (CLI, tests, benchmarks) ---------------------------------------------------

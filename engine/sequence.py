@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
-    from engine.structured_output import Grammar
+    from engine.grammar_worker import Grammar
     from engine.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import xgrammar as xgr
+
 from engine.sampling_params import StructuredOutput
-from engine.structured_output import Grammar, GrammarCompiler
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,14 +60,14 @@ def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path, default_m
 
     # The samples follow their schemas: the decode ones as a prefix, the one record complete.
     tokenizer = Tokenizer.from_dir(Path(doc["tokenizer"]))
-    compiler = GrammarCompiler(tokenizer, doc["mask_vocab"], tokenizer.eos_token_ids)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, doc["mask_vocab"], tokenizer.eos_token_ids)
     samples = {(s["what"], s["batch"]): s for s in doc["samples"]}
     assert set(samples) == {("decode", 1), ("decode", 2), ("finite", 1)}
     for batch in (1, 2):
         s = samples["decode", batch]
         assert len(s["token_ids"]) > 3 and not s["finished"]
-        grammar = Grammar(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["decode"])))
-        assert all(grammar.matcher.accept_token(t) for t in s["token_ids"]) and not grammar.matcher.is_terminated()
+        matcher = xgr.GrammarMatcher(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["decode"])))
+        assert all(matcher.accept_token(t) for t in s["token_ids"]) and not matcher.is_terminated()
         head = '{"records": [{"id": '
         assert s["text"].startswith(head) or head.startswith(s["text"]), s["text"]
     s = samples["finite", 1]
@@ -75,8 +77,8 @@ def test_structured_bench_smoke_writes_the_agreed_json(tmp_path: Path, default_m
     assert isinstance(record["id"], int) and 0 <= record["id"] <= 999999 and len(record["name"]) <= 24
     assert 0 <= record["score"] <= 100 and len(record["tags"]) <= 4
     assert set(record["tags"]) <= {"new", "sale", "featured", "clearance", "limited"}
-    grammar = Grammar(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["record"])))
-    assert all(grammar.matcher.accept_token(t) for t in s["token_ids"]) and grammar.matcher.is_terminated()
+    matcher = xgr.GrammarMatcher(compiler.compile(StructuredOutput.json_schema(doc["schemas"]["record"])))
+    assert all(matcher.accept_token(t) for t in s["token_ids"]) and matcher.is_terminated()
 
     lines = proc.stdout.rstrip().splitlines()
     assert ("| batch | minillm tok/s (min–max) | minillm-json tok/s (min–max) | json / plain | goal "

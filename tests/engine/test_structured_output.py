@@ -22,7 +22,8 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampler import Sampler, SampleRow, TokenMask, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.structured_output import Grammar, GrammarBatch, GrammarCompiler
+from engine.grammar_worker import GrammarWorker
+from engine.structured_output import GrammarCompiler
 
 PROMPTS = ["Hello there", "Tell me a story about a dragon", "1 2 3", "The weather today is"]
 REGEX = StructuredOutput("regex", r"[a-z]{3}-[0-9]{2}")
@@ -259,7 +260,7 @@ def test_same_spec_compiles_once(engine: LLMEngine) -> None:
 
 
 def test_cache_evicts_least_recently_used(engine: LLMEngine) -> None:
-    compiler = GrammarCompiler(engine.tokenizer, engine.sample_vocab_size, engine.eos_token_ids, cache_size=2)
+    compiler = GrammarCompiler(engine.grammars.info, cache_size=2)
     a, b, c = (StructuredOutput.choice([word]) for word in ("a", "b", "c"))
     first_a = compiler.compile(a)
     compiler.compile(b)
@@ -550,30 +551,44 @@ def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
         assert Sampler()(logits, sampled, TokenMask([1], pack_bits(allowed))).token_id_list[1] in (5, 40, 69)
 
 
-def test_mask_layout_matches_xgrammar(engine: LLMEngine) -> None:
-    """GrammarBatch (xgrammar's bits) and apply_token_mask agree on the allowed ids."""
-    compiled = engine.grammars.compile(StructuredOutput.choice(["yes", "no"]))
-    grammars = [(1, Grammar(compiled)), (2, Grammar(compiled))]
-    assert grammars[1][1].matcher.accept_token(engine.tokenizer.encode("yes", add_special_tokens=False)[0])
+def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
+    """The grammar worker's masks (another process, shared memory) are what a matcher here fills,
+    row for row, after the same tokens; apply_token_mask reads them as xgrammar means them."""
+    spec = StructuredOutput.choice(["yes", "no"])
     vocab = engine.sample_vocab_size
-    mask = GrammarBatch().fill(grammars, 3, vocab)
-    assert mask.rows == [0, 1, 2] and torch.all(mask.bitmask[0] == -1)  # row 0 has no grammar: all allowed
-    for row, grammar in grammars:  # the batch call fills what each matcher fills alone, in its row
-        alone = xgr.allocate_token_bitmask(1, vocab)
-        grammar.matcher.fill_next_token_bitmask(alone)
-        assert torch.equal(alone[0], mask.bitmask[row])
-    masked = apply_token_mask(torch.zeros(3, vocab), mask)
-    for row, _ in grammars:
-        expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[row: row + 1], vocab)[0]
-        assert torch.equal(masked[row] == 0, expected)
-    first = set(torch.nonzero(masked[1] == 0).flatten().tolist())
-    decoded = {engine.tokenizer.decode([t]) for t in first}
-    assert decoded and all("yes".startswith(d) or "no".startswith(d) for d in decoded)
-    assert set(torch.nonzero(masked[2] == 0).flatten().tolist()) <= set(engine.eos_token_ids)  # "yes" is done
-    assert torch.equal(masked[0], torch.zeros(vocab))
+    yes = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
+    worker = GrammarWorker(engine.grammars.info, vocab)
+    try:
+        grammars = [(1, worker.grammar(spec)), (2, worker.grammar(spec))]
+        worker.submit(grammars, 3)
+        worker.masks()
+        worker.accept(grammars[1][1], yes)
+        worker.submit(grammars, 3)
+        mask = worker.masks()
+        assert mask.rows == [0, 1, 2] and torch.all(mask.bitmask[0] == -1)  # row 0 has no grammar: all allowed
+        for row, tokens in ((1, []), (2, [yes])):  # the same matcher, here, after the same tokens
+            matcher = xgr.GrammarMatcher(engine.grammars.compile(spec))
+            assert all(matcher.accept_token(t) for t in tokens)
+            alone = xgr.allocate_token_bitmask(1, vocab)
+            matcher.fill_next_token_bitmask(alone)
+            assert torch.equal(alone[0], mask.bitmask[row])
+        masked = apply_token_mask(torch.zeros(3, vocab), mask)
+        for row, _ in grammars:
+            expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[row: row + 1], vocab)[0]
+            assert torch.equal(masked[row] == 0, expected)
+        first = set(torch.nonzero(masked[1] == 0).flatten().tolist())
+        decoded = {engine.tokenizer.decode([t]) for t in first}
+        assert decoded and all("yes".startswith(d) or "no".startswith(d) for d in decoded)
+        assert set(torch.nonzero(masked[2] == 0).flatten().tolist()) <= set(engine.eos_token_ids)  # "yes" is done
+        assert torch.equal(masked[0], torch.zeros(vocab))
+        worker.accept(grammars[0][1], yes)  # a refused token ("yes" again at the end) ends that grammar
+        worker.accept(grammars[1][1], yes)
+        worker.submit([], 3)
+        worker.masks()
+        assert not grammars[0][1].ended and grammars[1][1].ended
+    finally:
+        worker.close()
 
-
-# ---- 9. metrics ---------------------------------------------------------------------------------
 
 def test_stats_count_constrained_requests(engine: LLMEngine) -> None:
     before = engine.stats()

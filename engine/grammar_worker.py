@@ -1,0 +1,248 @@
+"""Grammar matching in a process of its own, beside the engine's thread.
+
+xgrammar holds the GIL while it works, and a step's masks cost the H200's host about 13 µs a row
+(0.8 ms at batch 64). On the engine's thread that time adds to every constrained step, since
+the engine's host loop is what bounds decode speed at small and medium batches. In a worker
+process it runs while the engine thread collects the last step, schedules and prepares the next.
+
+The engine thread talks to it by message, one per constrained step: the tokens sampled since the
+last message (each fed to its sequence's matcher), matchers to open (a new sample's grammar) or
+close (its sequence is gone), and the rows to fill. The worker fills them into a bitmask in shared
+memory and replies with the sequences whose matcher refused its token and the seconds it spent.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import xgrammar as xgr
+
+from engine.errors import InvalidRequestError
+from engine.sampler import TokenMask
+from engine.sampling_params import StructuredOutput
+from engine.structured_output import GrammarCompiler
+
+log = logging.getLogger("minillm.engine")
+
+READY_TIMEOUT_S = 120.0  # a spawned worker imports torch and xgrammar: seconds on a busy machine
+
+
+class GrammarWorkerError(RuntimeError):
+    """The grammar worker process died or did not start."""
+
+
+class Grammar:
+    """One sequence's matcher, as the engine thread sees it: a key into the worker's matchers."""
+
+    def __init__(self, key: int, spec: StructuredOutput) -> None:
+        self.key = key
+        self.spec = spec
+        self.ended = False  # it took a stop token, or refused one: the sample is over
+
+
+@dataclass
+class _Step:
+    """One message to the worker (pickled)."""
+
+    accepts: list[tuple[int, int]]  # (key, token id), in sampling order
+    closes: list[int]
+    opens: list[tuple[int, StructuredOutput]]
+    fills: list[tuple[int, int]]  # (key, row)
+    rows: int  # the bitmask rows to fill: every row without a grammar allows every token
+    shm_name: str | None  # a new bitmask buffer to attach (None: the last one)
+
+
+class GrammarWorker:
+    """The engine thread's end: hands out Grammars, sends each step's grammar work, takes its masks.
+    The process starts at the first use (or `start`); `submit` returns at once and `masks` waits."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int, cache_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._info_json = tokenizer_info.serialize_json()
+        self._cache_size = cache_size
+        self._process: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._shm: SharedMemory | None = None
+        self._bitmask: torch.Tensor | None = None  # [capacity rows, words] int32 over the shared memory
+        self._new_shm = False
+        self._pinned = False
+        self._next_key = 0
+        self._opens: list[tuple[int, StructuredOutput]] = []
+        self._closes: list[int] = []  # appended by Grammar finalizers: a sequence's grammar is gone
+        self._accepts: list[tuple[int, int]] = []
+        self._grammars: weakref.WeakValueDictionary[int, Grammar] = weakref.WeakValueDictionary()
+        self._pending = 0  # the rows of a submitted step whose masks are not taken yet (0: none)
+        self.mask_seconds = 0.0  # the worker's time feeding tokens and filling masks
+
+    def start(self) -> None:
+        """Spawn the worker (CUDA forbids fork) and wait until it has loaded the tokenizer's vocabulary."""
+        if self._process is not None:
+            return
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(theirs, self._info_json, self._cache_size),
+                                    name="minillm-grammar", daemon=True)
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        if not ours.poll(READY_TIMEOUT_S):
+            raise GrammarWorkerError("the grammar worker did not start")
+        self._receive()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self._conn.close()
+            self._conn = None
+        if self._process is not None:
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+            self._process = None
+        if self._shm is not None:
+            self._release_shm()
+
+    def grammar(self, spec: StructuredOutput) -> Grammar:
+        """A new sample's grammar, at its beginning (its matcher opens with the next step)."""
+        key, self._next_key = self._next_key, self._next_key + 1
+        grammar = Grammar(key, spec)
+        self._opens.append((key, spec))
+        self._grammars[key] = grammar
+        weakref.finalize(grammar, self._closes.append, key)  # the sequence is gone: drop its matcher
+        return grammar
+
+    def accept(self, grammar: Grammar, token_id: int) -> None:
+        """Feed a sampled token to its grammar (sent with the next step)."""
+        self._accepts.append((grammar.key, token_id))
+
+    def submit(self, rows: list[tuple[int, Grammar]], batch: int) -> None:
+        """Send the tokens taken since the last step and have the worker fill these (row, grammar)s'
+        masks for a batch of `batch` rows; returns at once."""
+        assert not self._pending, "the last step's masks were not taken"
+        self.start()
+        if self._bitmask is None or len(self._bitmask) < batch:
+            self._allocate(max(batch, 256))
+        message = _Step(self._accepts, self._closes[:], self._opens, [(g.key, row) for row, g in rows], batch,
+                        self._shm.name if self._new_shm else None)
+        del self._closes[: len(message.closes)]
+        self._accepts, self._opens, self._new_shm = [], [], False
+        self._send(message)
+        self._pending = batch
+
+    def masks(self) -> TokenMask:
+        """Wait for the submitted step's masks. Grammars that refused a token are marked ended."""
+        batch, self._pending = self._pending, 0
+        refused, seconds = self._receive()
+        self.mask_seconds += seconds
+        for key in refused:
+            if (grammar := self._grammars.get(key)) is not None:
+                grammar.ended = True
+                log.error("grammar of %s refused its sampled token", grammar.spec.param)
+        bitmask = self._bitmask[:batch]
+        # Unpinned memory on a GPU machine: a pinned copy (else the copy to the device would wait for it).
+        return TokenMask(list(range(batch)), bitmask.pin_memory() if torch.cuda.is_available() and not self._pinned
+                         else bitmask)
+
+    def _send(self, message: _Step) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as e:
+            raise GrammarWorkerError(f"the grammar worker is gone: {e}") from None
+
+    def _receive(self):
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise GrammarWorkerError(f"the grammar worker is gone: {e!r}") from None
+        if isinstance(reply, BaseException):
+            raise GrammarWorkerError(f"the grammar worker failed: {reply!r}")
+        return reply
+
+    def _allocate(self, capacity: int) -> None:
+        """A shared bitmask of `capacity` rows; pinned for the device's copies where there is one."""
+        if self._shm is not None:
+            self._release_shm()
+        self._shm = SharedMemory(create=True, size=capacity * self._words * 4)
+        self._bitmask = torch.frombuffer(self._shm.buf, dtype=torch.int32).view(capacity, self._words)
+        # Pinned, so the sampler's copy to the device is queued behind the forward, not waited for.
+        self._pinned = torch.cuda.is_available() and _register(self._bitmask)
+        self._new_shm = True
+
+    def _release_shm(self) -> None:
+        if self._pinned:
+            torch.cuda.synchronize()  # no copy may still read it
+            torch.cuda.cudart().cudaHostUnregister(self._bitmask.data_ptr())
+        self._bitmask = None
+        self._shm.close()
+        self._shm.unlink()
+        self._shm = None
+
+
+def _register(bitmask: torch.Tensor) -> bool:
+    """Page-lock host memory that torch did not allocate; False (logged) where CUDA refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(bitmask.data_ptr(), bitmask.numel() * 4, 0)
+    if int(getattr(err, "value", err)) != 0 or not bitmask.is_pinned():
+        log.warning("could not pin the grammar masks' shared memory (%s): each step copies them", err)
+        return False
+    return True
+
+
+def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
+    """The worker process: one matcher per open sequence, a compiled grammar per spec (cached)."""
+    try:
+        info = xgr.TokenizerInfo.deserialize_json(info_json)
+        compiler = GrammarCompiler(info, cache_size)
+        batch = xgr.BatchGrammarMatcher(1)
+        matchers: dict[int, xgr.GrammarMatcher] = {}
+        shm: SharedMemory | None = None
+        bitmask: torch.Tensor | None = None
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(e)
+        return
+    conn.send(None)  # ready
+    while True:
+        try:
+            step = conn.recv()
+        except (EOFError, OSError):  # the engine's process is gone
+            break
+        if step is None:  # the engine closed
+            break
+        try:
+            start = time.perf_counter()
+            refused = []
+            live = [(k, t) for k, t in step.accepts if k in matchers]
+            if live:
+                accepted = batch.batch_accept_token([matchers[k] for k, _ in live], [t for _, t in live])
+                refused = [k for (k, _), ok in zip(live, accepted) if not ok]
+            for key in step.closes:
+                matchers.pop(key, None)
+            for key, spec in step.opens:
+                try:
+                    matchers[key] = xgr.GrammarMatcher(compiler.compile(spec))
+                except InvalidRequestError:  # the engine compiled it first, so never expected: the sample ends
+                    refused.append(key)
+            fills = [(k, r) for k, r in step.fills if k in matchers]
+            if step.shm_name is not None:
+                if shm is not None:
+                    shm.close()
+                shm = SharedMemory(name=step.shm_name)
+                bitmask = torch.frombuffer(shm.buf, dtype=torch.int32).view(-1, (info.vocab_size + 31) // 32)
+            rows = bitmask[: step.rows]
+            rows.fill_(-1)
+            if fills:
+                batch.batch_fill_next_token_bitmask([matchers[k] for k, _ in fills], rows, [r for _, r in fills])
+            conn.send((refused, time.perf_counter() - start))
+        except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
+            conn.send(e)
+    if shm is not None:
+        shm.close()
