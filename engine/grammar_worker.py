@@ -173,6 +173,7 @@ class GrammarWorker:
         if self._shm is not None:
             self._release_shm()
         self._shm = SharedMemory(create=True, size=capacity * self._words * 4)
+        self._unlink = weakref.finalize(self, self._shm.unlink)  # at close, or at exit at the latest
         self._bitmask = torch.frombuffer(self._shm.buf, dtype=torch.int32).view(capacity, self._words)
         # Pinned, so the sampler's copy to the device is queued behind the forward, not waited for.
         self._pinned = torch.cuda.is_available() and _register(self._bitmask)
@@ -183,8 +184,11 @@ class GrammarWorker:
             torch.cuda.synchronize()  # no copy may still read it
             torch.cuda.cudart().cudaHostUnregister(self._bitmask.data_ptr())
         self._bitmask = None
-        self._shm.close()
-        self._shm.unlink()
+        self._unlink()
+        try:
+            self._shm.close()
+        except BufferError:  # a mask view is still alive: the mapping goes with it
+            pass
         self._shm = None
 
 

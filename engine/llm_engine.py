@@ -236,8 +236,9 @@ class LLMEngine:
         outputs lag one step, and a sequence that finished in step N computes one token too many.
 
         A step with grammar rows samples one call later: its masks need step N's tokens, read only
-        after its forward launched. They are filled at the end of this call while the device runs
-        that forward; the next call samples it just before its own forward launches behind it.
+        after its forward launched. The grammar worker fills them from the moment those tokens are
+        read, while this thread collects step N and the next call schedules and prepares; that call
+        samples it just before its own forward launches behind it.
         """
         outputs: list[RequestOutput] = []
         prev = self._in_flight
@@ -250,9 +251,9 @@ class LLMEngine:
         if prev is not None and prev.sampled is None:
             self._sample_deferred(prev)
         launched = self._launch(out, step, prev) if step is not None else None
-        if prev is not None:
-            outputs += self._collect(self._take_in_flight())
-        if launched is not None and launched.constrained:  # its grammars have seen every earlier token now
+        if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
+            outputs += self._collect(self._take_in_flight(), launched)
+        elif launched is not None and launched.constrained:  # nothing to read first
             launched.masked = self._fill_masks(launched.sampling)
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
@@ -306,15 +307,18 @@ class LLMEngine:
             seq.grammar = self.grammar_worker.grammar(seq.request.params.structured)
         return seq.grammar
 
-    def _collect(self, in_flight: _InFlight) -> list[RequestOutput]:
+    def _collect(self, in_flight: _InFlight, launched: _InFlight | None = None) -> list[RequestOutput]:
         """Wait for a launched step's sampled ids (sampling it first if it waits to); put them in
-        place of their placeholders."""
+        place of their placeholders. If the step launched after it has grammar rows, their masks
+        are sent to the grammar worker first: it fills them while this thread does the rest."""
         if in_flight.sampled is None:
             self._sample_deferred(in_flight)
         outputs: dict[str, RequestOutput] = {}
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
         if in_flight.constrained:
             self._advance_grammars(in_flight)
+        if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
+            launched.masked = self._fill_masks(launched.sampling)
         for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
             seq, request = s.seq, s.seq.request
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus

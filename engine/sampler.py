@@ -10,7 +10,7 @@ same token whatever else is in the batch and wherever it sits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Sequence
 
 import torch
@@ -92,6 +92,11 @@ class TokenMask:
     bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32
 
 
+@cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
     """-inf where a constrained row may not go (out of place); other rows are untouched. The bits
     are spread to the whole batch on the host (rows without a grammar allow everything), so the
@@ -105,7 +110,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
             0, torch.tensor(mask.rows), words)
         words = words.pin_memory() if logits.is_cuda else words
     words = words.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    shifts = _bit_shifts(logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
     return logits.masked_fill(~allowed, float("-inf"))
 
