@@ -135,6 +135,17 @@ def delta_of(events: list[Event]) -> dict[str, Any]:
     return delta
 
 
+def prepare_tools(engine: AsyncEngine, parser: str | None, use: ToolUse | None, messages: list[dict[str, Any]],
+                  params: SamplingParams) -> tuple[list[dict[str, Any]], ChoiceTools]:
+    """The messages with the tools' prompt, params constrained to their grammar, and the parser of the
+    reply (no tools, or tool_choice "none": the text as is). `parser` is --tool-call-parser."""
+    fmt = None
+    if use is not None and use.choice != "none":
+        fmt = format_for(engine.chat_template, parser)
+        messages = with_tools(fmt, use, messages, params)
+    return messages, ChoiceTools(fmt)
+
+
 # ---- the route ------------------------------------------------------------------------------------
 
 
@@ -144,16 +155,12 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(body.model)
     messages, params, use = body.to_engine()
     engine = state.live_engine()
-    fmt = None
-    if use is not None and use.choice != "none":
-        fmt = format_for(engine.chat_template, state.settings.tool_call_parser)
-        messages = with_tools(fmt, use, messages, params)
+    messages, tools = prepare_tools(engine, state.settings.tool_call_parser, use, messages, params)
     chat = Chat(messages, tools=use.tools if use else None, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message)
     gen = Generation("chat", f"chatcmpl-{uuid.uuid4().hex}", state.settings.model_name, params.n)
     outputs = observed(request, gen, await start(request, gen, [chat], params))
     want_logprobs = params.logprobs is not None
-    tools = ChoiceTools(fmt)
     if body.stream:
         return event_stream(chat_stream(engine, gen, outputs, body.include_usage, want_logprobs, tools))
     items = await collect(request, outputs)

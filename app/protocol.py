@@ -274,22 +274,24 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_use(self) -> ToolUse | None:
         """The tools and the choice among them; None when there are no tools."""
-        choice = self.tool_choice
-        if not self.tools:
-            if choice not in (None, "none", "auto"):
-                raise InvalidRequestError("tool_choice needs tools.", param="tool_choice")
-            return None
-        names = [t.function.name for t in self.tools]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("Tool names must be unique.", param="tools")
-        if isinstance(choice, NamedToolChoice):
-            name = choice.function.get("name")
-            if name not in names:
-                raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools.",
-                                          param="tool_choice")
-            choice = name
-        return ToolUse([t.to_template() for t in self.tools], choice or "auto",
-                       True if self.parallel_tool_calls is None else self.parallel_tool_calls)
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+
+def tool_use(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolUse | None:
+    """What a request asks of its tools (chat and Responses alike); None when there are no tools."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice needs tools.", param="tool_choice")
+        return None
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("Tool names must be unique.", param="tools")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.get("name")
+        if name not in names:
+            raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice")
+        choice = name
+    return ToolUse([t.to_template() for t in tools], choice or "auto", True if parallel is None else parallel)
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]

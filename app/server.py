@@ -25,6 +25,7 @@ from app.chat import chat_completions
 from app.tools import TOOL_FORMATS
 from app.openai_api import completions, detokenize, get_model, list_models, tokenize
 from app.openapi import openapi_schema
+from app.responses import ResponseStore, create_response, delete_response, get_response
 from app.settings import ServerSettings, from_env, to_env
 from app.state import AppState
 from engine.async_engine import AsyncEngine
@@ -118,6 +119,9 @@ def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -129,6 +133,7 @@ def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> 
     ]
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.minillm = state
+    app.state.responses = ResponseStore(settings.responses_store_size)
     asgi: Any = ServerMiddleware(app, settings.api_keys, settings.max_body_bytes, state.metrics)
     if tracer_provider is not None:
         asgi = tracing.instrument(asgi, tracer_provider)

@@ -40,6 +40,7 @@ class ServerSettings:
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     log_level: str = "info"
     tool_call_parser: str | None = None  # the tool-call format; default: recognised from the chat template
+    responses_store_size: int = 1024  # stored Responses API responses (LRU, in this process only)
 
     @property
     def api_keys(self) -> list[str]:
@@ -63,6 +64,7 @@ _HELP = {
     "shutdown_grace": "seconds that in-flight requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
     "tool_call_parser": "tool-call format: hermes, llama3, mistral or generic (default: recognised from the chat template)",
+    "responses_store_size": "most Responses API responses kept for previous_response_id and GET (LRU, per server process; 0: none)",
 }
 
 
