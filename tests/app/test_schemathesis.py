@@ -36,11 +36,11 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Fuzzed cases per operation (the coverage phase adds its boundary cases on top): enough to cross
 # the validation branches, few enough that the file runs in under a minute on two CPU cores.
 MAX_EXAMPLES = 20
-# Every generated token costs ~60 ms on CPU, so positive max_tokens / max_completion_tokens are
-# lowered to this and an absent one ("until the context is full") is set to it. Zero, negative
-# and ill-typed values still reach the server, to exercise its 400s. n is left alone on
-# purpose: n in [1, 128] with 2 tokens is cheap, and capping it here would hide the server's own
-# bound (an unbounded n once let one request get the worker killed for memory).
+# Up to 128 samples, each filling the context, add up even on a tiny model, so positive max_tokens /
+# max_completion_tokens are lowered to this and an absent one ("until the context is full") is set
+# to it. Zero, negative and ill-typed values still reach the server, to exercise its 400s. n is left
+# alone on purpose: n in [1, 128] with 2 tokens is cheap, and capping it here would hide the server's
+# own bound (an unbounded n once let one request get the worker killed for memory).
 MAX_TOKENS = 2
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -50,10 +50,14 @@ schema = schemathesis.openapi.from_dict(openapi_schema(), config=schemathesis.Co
 
 
 @pytest.fixture(scope="module")
-def fuzzed_server(default_model_dir, tmp_path_factory) -> Iterator[Server]:
-    """A server of our own, so fuzzing leaves the shared one's metrics and queue alone; its short
-    context also bounds what any request that slips past the token cap can cost (~15 s)."""
-    s = start_server(default_model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log", "--max-model-len", "256")
+def fuzzed_server(default_model_dir, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """A server of our own, so fuzzing leaves the shared one's metrics and queue alone: a tiny
+    random-weight Llama with the embedded model's tokenizer and template (the API is under test, not
+    the text; a token costs ~1 ms rather than ~60). Its short context bounds what any request that
+    slips past the token cap can cost."""
+    model_dir = tiny_model_dir("tiny-llama3", vocab_size=49152)[0]
+    s = start_server(model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log", "--max-model-len", "256",
+                     "--tokenizer", str(default_model_dir))
     yield s
     s.stop()
 

@@ -2,24 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"model", "system", "metric", "batch", "prompt_tokens", "value", "floor_fraction"}
 
 
-def test_gpu_bench_smoke_writes_the_agreed_json(tmp_path: Path) -> None:
+def test_gpu_bench_smoke_writes_the_agreed_json(tmp_path: Path, run_script, capsys) -> None:
     out = tmp_path / "gpu.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch path, not the interpreter
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--skip-transformers", "--device", "cpu",
-         "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    code = run_script("gpu.py", "--smoke", "--skip-transformers", "--device", "cpu", "--out", str(out))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-4000:]
     doc = json.loads(out.read_text())
     assert set(doc) == {"gpu", "date", "commit", "floor_bytes_per_s", "rows"}
     assert doc["gpu"] == "cpu" and doc["commit"] and doc["date"]
@@ -43,6 +35,6 @@ def test_gpu_bench_smoke_writes_the_agreed_json(tmp_path: Path) -> None:
             assert r["floor_fraction"] > 0
     # One sequence's KV is at most theory plus one block: floor_fraction = theory / value.
     assert by_metric["kv_bytes"][0]["floor_fraction"] > 0.9
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("| random:tiny-llama3 | minillm |")
-    assert "| random:tiny-llama3 | minillm-int4 | decode_tok_s | 1 |" in proc.stdout
-    assert "| model | system | metric | batch | prompt tokens | value | % of floor | × transformers-static |" in proc.stdout
+    assert captured.out.rstrip().splitlines()[-1].startswith("| random:tiny-llama3 | minillm |")
+    assert "| random:tiny-llama3 | minillm-int4 | decode_tok_s | 1 |" in captured.out
+    assert "| model | system | metric | batch | prompt tokens | value | % of floor | × transformers-static |" in captured.out

@@ -2,31 +2,23 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each test runs the benchmark in a subprocess
+pytestmark = pytest.mark.slow  # each test runs the benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"model", "system", "metric", "batch", "prompt_tokens", "value", "floor_fraction"}
 
 
-def test_perplexity_smoke_writes_the_agreed_json(default_model_dir, tmp_path) -> None:
+def test_perplexity_smoke_writes_the_agreed_json(default_model_dir, tmp_path, run_script, capsys, monkeypatch) -> None:
     out = tmp_path / "ppl.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch path, not the interpreter
-    env["MINILLM_MODELS_DIR"] = str(default_model_dir.parent)
+    monkeypatch.setenv("MINILLM_MODELS_DIR", str(default_model_dir.parent))
     # AWQ on all 30 layers takes a minute even on few tokens; the smoke leaves it out.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "perplexity.py"), "--max-tokens", "80", "--window", "48", "--stride",
-         "32", "--systems", "minillm,minillm-bf16,minillm-fp8,minillm-int4-rtn", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    code = run_script("perplexity.py", "--max-tokens", "80", "--window", "48", "--stride", "32", "--systems",
+                      "minillm,minillm-bf16,minillm-fp8,minillm-int4-rtn", "--out", str(out))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-4000:]
     doc = json.loads(out.read_text())
     assert set(doc) == {"gpu", "date", "commit", "floor_bytes_per_s", "rows"}
     assert doc["gpu"] == "cpu" and doc["floor_bytes_per_s"] is None and doc["commit"] and doc["date"]
@@ -36,24 +28,19 @@ def test_perplexity_smoke_writes_the_agreed_json(default_model_dir, tmp_path) ->
     for r in rows:
         assert r["model"] == "SmolLM2-135M-Instruct" and r["metric"] == "perplexity" and r["prompt_tokens"] == 80
         assert 1 < r["value"] < 1000 and r["batch"] is None and r["floor_fraction"] is None
-    assert "| SmolLM2-135M-Instruct | minillm-int4-rtn | 80 |" in proc.stdout
+    assert "| SmolLM2-135M-Instruct | minillm-int4-rtn | 80 |" in captured.out
 
 
-def test_perplexity_smoke_runs_awq(tiny_model_dir, default_model_dir, tmp_path) -> None:
+def test_perplexity_smoke_runs_awq(tiny_model_dir, default_model_dir, tmp_path, run_script) -> None:
     """The calibrated systems (AWQ, GPTQ) end to end, on a tiny model with the embedded model's tokenizer (quick)."""
     src = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir("tiny-llama3", vocab_size=49152)[0], src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, src)
     out = tmp_path / "ppl.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "perplexity.py"), "--model", str(src), "--max-tokens", "80", "--window",
-         "48", "--stride", "32", "--group-size", "32", "--calibration-tokens", "64", "--systems",
-         "minillm-int4-rtn,minillm-int4-awq,minillm-fp8-gptq", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert run_script("perplexity.py", "--model", str(src), "--max-tokens", "80", "--window", "48", "--stride", "32",
+                      "--group-size", "32", "--calibration-tokens", "64", "--systems",
+                      "minillm-int4-rtn,minillm-int4-awq,minillm-fp8-gptq", "--out", str(out)) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["system"]) for r in rows] == [("tiny", "minillm-int4-rtn"), ("tiny", "minillm-int4-awq"),
                                                          ("tiny", "minillm-fp8-gptq")]

@@ -225,9 +225,10 @@ def test_a_random_model_takes_a_tokenizer_from_elsewhere(default_model_dir) -> N
                                kv_cache_memory="16MiB"))
 
 
-def test_ids_past_the_tokenizer_are_never_sampled(default_model_dir) -> None:
-    engine = LLMEngine(EngineConfig(model="random:smollm2-135m", tokenizer=str(default_model_dir), device="cpu",
-                                    kv_cache_memory="64MiB"))
+def test_ids_past_the_tokenizer_are_never_sampled(default_model_dir, tiny_model_dir) -> None:
+    # A tiny random model (the limit is the sampler's, whatever the model) with the tokenizer's vocabulary.
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("tiny-llama3", vocab_size=49152)[0]),
+                                    tokenizer=str(default_model_dir), device="cpu", kv_cache_memory="16MiB"))
     # Its vocabulary is the tokenizer's (49152): shrink what the sampler sees to test the limit.
     engine.runner.sampler.vocab_size = engine.sample_vocab_size = 1000
     [r] = engine.generate([[5, 6, 7]], SamplingParams(temperature=2.0, max_tokens=64, seed=1, ignore_eos=True, logprobs=3))

@@ -16,13 +16,17 @@ from engine.quantization import quantize_checkpoint
 from kernels.fp8_linear import FP8, FP8_MAX
 from tests.engine.quantization.conftest import CPU, PROMPT, greedy, rel_err
 
-# awq runs the whole pipeline, end-to-end tuning included: most of a minute on the tiny model.
+# awq runs the whole pipeline, end-to-end tuning included, for TUNE_STEPS: up to its one held-out
+# check. What the tuning does is test_tuning.py's; its default 40 steps (early-stopped at ~15) would
+# triple these tests' time for the same checks.
 INT4_METHODS = ["rtn", pytest.param("awq", marks=pytest.mark.slow)]
+TUNE_STEPS = 5
 
 
 @pytest.mark.parametrize("method", INT4_METHODS)
 def test_quantized_directory_loads_back_and_generates(tiny_with_tokenizer, tmp_path, method) -> None:
-    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", method, group_size=32, calibration_tokens=256)
+    out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", method, group_size=32, calibration_tokens=256,
+                              tune_steps=TUNE_STEPS)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
@@ -48,9 +52,10 @@ def test_quantized_directory_loads_back_and_generates(tiny_with_tokenizer, tmp_p
 def test_int4_lm_head_checkpoint(tiny_with_tokenizer, tmp_path, method) -> None:
     """--lm-head: lm_head int4 as well (tied here: the embedding stays float16), loaded as an
     Int4Linear whose dequantized weight gives the logits, within the layers' error of the float model."""
-    plain = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "p", method, group_size=32, calibration_tokens=256)
+    plain = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "p", method, group_size=32, calibration_tokens=256,
+                                tune_steps=TUNE_STEPS)
     out = quantize_checkpoint(str(tiny_with_tokenizer), tmp_path / "q", method, group_size=32, calibration_tokens=256,
-                              lm_head=True)
+                              lm_head=True, tune_steps=TUNE_STEPS)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["lm_head"] is True and "lm_head" not in json.loads((plain / "config.json").read_text())["quantization_config"]
     tensors, plain_tensors = load_file(out / "model.safetensors"), load_file(plain / "model.safetensors")
