@@ -9,11 +9,14 @@ The engine thread talks to it by message, one per constrained step: the tokens s
 last message (each fed to its sequence's matcher), matchers to open (a new sample's grammar) or
 close (its sequence is gone), and the rows to fill. The worker fills them into a bitmask in shared
 memory and replies with the sequences whose matcher refused its token and the seconds it spent.
+The tokenizer thread also sends each new request's spec, so the worker compiles it while the
+engine compiles it to validate it.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -78,6 +81,7 @@ class GrammarWorker:
         self._closes: list[int] = []  # appended by Grammar finalizers: a sequence's grammar is gone
         self._accepts: list[tuple[int, int]] = []
         self._grammars: weakref.WeakValueDictionary[int, Grammar] = weakref.WeakValueDictionary()
+        self._send_lock = threading.Lock()
         self._pending = 0  # the rows of a submitted step whose masks are not taken yet (0: none)
         self.mask_seconds = 0.0  # the worker's time feeding tokens and filling masks
 
@@ -111,6 +115,12 @@ class GrammarWorker:
             self._process = None
         if self._shm is not None:
             self._release_shm()
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Have the worker compile `spec` now, while the engine compiles it to validate it (any
+        thread; no reply: a spec that fails is left out of the worker's cache)."""
+        if self._conn is not None:
+            self._send(("compile", spec))
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
         """A new sample's grammar, at its beginning (its matcher opens with the next step)."""
@@ -153,9 +163,10 @@ class GrammarWorker:
         return TokenMask(list(range(batch)), bitmask.pin_memory() if torch.cuda.is_available() and not self._pinned
                          else bitmask)
 
-    def _send(self, message: _Step) -> None:
+    def _send(self, message: _Step | tuple[str, StructuredOutput]) -> None:
         try:
-            self._conn.send(message)
+            with self._send_lock:  # the tokenizer thread sends compiles, the engine thread steps
+                self._conn.send(message)
         except OSError as e:
             raise GrammarWorkerError(f"the grammar worker is gone: {e}") from None
 
@@ -221,6 +232,12 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
             break
         if step is None:  # the engine closed
             break
+        if isinstance(step, tuple):  # ("compile", spec): ahead of the sequences that will use it
+            try:
+                compiler.compile(step[1])
+            except InvalidRequestError:  # the engine refuses it too
+                pass
+            continue
         try:
             start = time.perf_counter()
             refused = []

@@ -178,6 +178,8 @@ class LLMEngine:
         if params.structured is not None:  # compiled here, off the engine thread, before anything is sent
             if self.grammars is None:
                 raise InvalidRequestError("Structured output needs a tokenizer.", param=params.structured.param)
+            if self.grammar_worker is not None:  # it compiles its own copy meanwhile
+                self.grammar_worker.prepare(params.structured)
             grammar = self.grammars.compile(params.structured)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
