@@ -7,6 +7,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.responses_protocol import ResponsesRequest
 
 _ERROR = {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": {
     "type": "object", "required": ["error"], "properties": {"error": {
@@ -18,6 +19,9 @@ _ERRORS = {str(code): _ERROR for code in (400, 401, 404, 413, 429, 503)}
 # Before OpenAPI 3.2 (itemSchema), an event stream's schema describes one event, not the whole stream.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     "type": "string", "description": "A JSON chunk, or [DONE] after the last one"}}}
+
+
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _post(summary: str, model: str, streams: bool = False) -> dict[str, Any]:
@@ -36,7 +40,7 @@ def _get(summary: str, errors: tuple[int, ...] = ()) -> dict[str, Any]:
 
 @cache
 def openapi_schema() -> dict[str, Any]:
-    models = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+    models = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
     _, schemas = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     return {
         "openapi": "3.1.0",
@@ -48,6 +52,11 @@ def openapi_schema() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest", streams=True),
             "/v1/completions": _post("Create a text completion", "CompletionRequest", streams=True),
+            "/v1/responses": _post("Create a response (typed server-sent events when stream is true)",
+                                   "ResponsesRequest", streams=True),
+            "/v1/responses/{response_id}": {
+                "get": {**_get("Retrieve a stored response", (401, 404))["get"], "parameters": [_RESPONSE_ID]},
+                "delete": {**_get("Delete a stored response", (401, 404))["get"], "parameters": [_RESPONSE_ID]}},
             "/v1/models": _get("List models", (401,)),
             "/v1/models/{model_id}": {"get": {**_get("Retrieve a model", (401, 404))["get"], "parameters": [
                 {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]}},

@@ -26,7 +26,8 @@ value = the median, with min and max beside it.
                   systems first (other prompts, a few steps).
   ratio           constrained median / unconstrained median (per-repetition pairs beside it).
                   Goals (the issue): >= 0.95 at batch 8 and 64, >= 0.90 at batch 1.
-  mask ms/step    host time filling the grammar masks during the timed steps
+  mask ms/step    the grammar worker's time (a process beside the engine's) feeding tokens and filling
+                  the masks during the timed steps
                   (stats().grammar_mask_seconds delta) / --decode-steps.
   ttft ms         one request alone, from add_request to the step that returns its first token
                   (synchronized), a fresh random prompt each time: unconstrained; constrained by a
@@ -132,7 +133,7 @@ class Decode:
 
     tokens: int  # sampled in the timed steps, all requests together
     seconds: float
-    mask_seconds: float  # host time filling grammar masks in the timed steps
+    mask_seconds: float  # the grammar worker's time feeding tokens and filling masks in the timed steps
     finished: int  # requests that finished inside the timed steps (the design expects none)
     sample: list[int] = field(default_factory=list)  # request 0's output token ids so far
 

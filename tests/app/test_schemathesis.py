@@ -42,7 +42,10 @@ MAX_EXAMPLES = 20
 # alone on purpose: n in [1, 128] with 2 tokens is cheap, and capping it here would hide the server's
 # own bound (an unbounded n once let one request get the worker killed for memory).
 MAX_TOKENS = 2
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+TOKEN_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Each generating route, and the token-count field it reads.
+GENERATION_PATHS = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                    "/v1/responses": "max_output_tokens"}
 
 # Built at collection from the function that serves /openapi.json (the first test checks that the
 # served document is this one): schemathesis' fixture-based loader does not run under pytest 9.
@@ -62,17 +65,18 @@ def fuzzed_server(default_model_dir, tiny_model_dir, tmp_path_factory) -> Iterat
     s.stop()
 
 
-def bounded(body: object) -> object:
-    """A generation body with its token count capped at MAX_TOKENS (see there); all else unchanged."""
+def bounded(body: object, key: str = "max_tokens") -> object:
+    """A generation body with its token count capped at MAX_TOKENS (see there), set in `key` where it
+    has none; all else unchanged."""
     if not isinstance(body, dict):
         return body
     out = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = out.get(key)
+    for k in TOKEN_KEYS:
+        value = out.get(k)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_TOKENS:
-            out[key] = MAX_TOKENS
-    if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
-        out["max_tokens"] = MAX_TOKENS
+            out[k] = MAX_TOKENS
+    if all(out.get(k) is None for k in TOKEN_KEYS):
+        out[key] = MAX_TOKENS
     return out
 
 
@@ -85,6 +89,7 @@ def test_served_schema_loads_and_validates(fuzzed_server: Server) -> None:
     assert [r.err() for r in results if isinstance(r, Err)] == []
     assert sorted(r.ok().label for r in results) == sorted([
         "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model_id}",
+        "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
         "POST /tokenize", "POST /detokenize", "GET /health", "GET /ready", "GET /metrics",
     ])
 
@@ -93,6 +98,8 @@ def test_bounded_caps_only_token_counts() -> None:
     assert bounded({"messages": [], "max_tokens": 10**6, "n": 10**9}) == {"messages": [], "max_tokens": 2, "n": 10**9}
     assert bounded({"prompt": "x", "max_tokens": None}) == {"prompt": "x", "max_tokens": 2}
     assert bounded({"max_completion_tokens": 1e9}) == {"max_completion_tokens": 2}
+    assert bounded({"input": "x"}, "max_output_tokens") == {"input": "x", "max_output_tokens": 2}
+    assert bounded({"max_output_tokens": 10**6}, "max_output_tokens") == {"max_output_tokens": 2}
     for kept in ({"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": "many"}, {"max_completion_tokens": 1}):
         assert bounded(kept) == kept
     assert bounded(b"\x00") == b"\x00"
@@ -104,5 +111,5 @@ def test_bounded_caps_only_token_counts() -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 def test_no_server_errors_and_responses_conform(case: schemathesis.Case, fuzzed_server: Server) -> None:
     if case.operation.path in GENERATION_PATHS:
-        case.body = bounded(case.body)
+        case.body = bounded(case.body, GENERATION_PATHS[case.operation.path])
     case.call_and_validate(base_url=fuzzed_server.url, checks=CHECKS, timeout=30)
