@@ -22,7 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampler import Sampler, SampleRow, TokenMask, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.grammar_worker import GrammarWorker
+from engine.grammar_worker import GrammarWorker, GrammarWorkerError
 from engine.structured_output import GrammarCompiler
 
 PROMPTS = ["Hello there", "Tell me a story about a dragon", "1 2 3", "The weather today is"]
@@ -586,6 +586,21 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
         worker.submit([], 3)
         worker.masks()
         assert not grammars[0][1].ended and grammars[1][1].ended
+    finally:
+        worker.close()
+
+
+def test_a_dead_grammar_worker_is_an_error_not_a_hang(engine: LLMEngine) -> None:
+    """The engine thread waits on the worker's reply: if the worker dies, the wait ends in an error
+    (the engine loop then fails every request) instead of blocking for ever."""
+    worker = GrammarWorker(engine.grammars.info, engine.sample_vocab_size)
+    try:
+        worker.start()
+        worker._process.kill()
+        worker._process.join(10)
+        with pytest.raises(GrammarWorkerError):
+            worker.submit([(0, worker.grammar(StructuredOutput.choice(["yes"])))], 1)
+            worker.masks()
     finally:
         worker.close()
 
