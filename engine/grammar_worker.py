@@ -1,9 +1,9 @@
 """Grammar matching in a process of its own, beside the engine's thread.
 
-xgrammar holds the GIL while it works, and a step's masks cost the H200's host about 13 µs a row
-(0.8 ms at batch 64). On the engine's thread that time adds to every constrained step, since
-the engine's host loop is what bounds decode speed at small and medium batches. In a worker
-process it runs while the engine thread collects the last step, schedules and prepares the next.
+xgrammar holds the GIL while it fills masks, so on the engine's thread that time would add to
+every constrained step: the engine's host loop is what bounds decode speed at small and medium
+batches. In a worker process it runs while the engine thread collects the last step, schedules and
+prepares the next (the cost, measured: bench/README.md).
 
 The engine thread talks to it by message, one per constrained step: the tokens sampled since the
 last message (each fed to its sequence's matcher), matchers to open (a new sample's grammar) or
@@ -27,7 +27,6 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
-from engine.sampler import TokenMask
 from engine.sampling_params import StructuredOutput
 from engine.structured_output import GrammarCompiler
 
@@ -65,9 +64,8 @@ class GrammarWorker:
     """The engine thread's end: hands out Grammars, sends each step's grammar work, takes its masks.
     The process starts at the first use (or `start`); `submit` returns at once and `masks` waits."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int, cache_size: int = 256) -> None:
-        self.vocab_size = vocab_size
-        self._words = (vocab_size + 31) // 32
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, cache_size: int = 256) -> None:
+        self._words = (tokenizer_info.vocab_size + 31) // 32  # the masks cover the info's ids
         self._info_json = tokenizer_info.serialize_json()
         self._cache_size = cache_size
         self._process: mp.process.BaseProcess | None = None
@@ -149,8 +147,9 @@ class GrammarWorker:
         self._send(message)
         self._pending = batch
 
-    def masks(self) -> TokenMask:
-        """Wait for the submitted step's masks. Grammars that refused a token are marked ended."""
+    def masks(self) -> torch.Tensor:
+        """Wait for the submitted step's masks: the batch's bitmask (apply_token_mask reads it).
+        Grammars that refused a token are marked ended."""
         batch, self._pending = self._pending, 0
         refused, seconds = self._receive()
         self.mask_seconds += seconds
@@ -160,8 +159,7 @@ class GrammarWorker:
                 log.error("grammar of %s refused its sampled token", grammar.spec.param)
         bitmask = self._bitmask[:batch]
         # Unpinned memory on a GPU machine: a pinned copy (else the copy to the device would wait for it).
-        return TokenMask(list(range(batch)), bitmask.pin_memory() if torch.cuda.is_available() and not self._pinned
-                         else bitmask)
+        return bitmask.pin_memory() if torch.cuda.is_available() and not self._pinned else bitmask
 
     def _send(self, message: _Step | tuple[str, StructuredOutput]) -> None:
         try:
@@ -170,7 +168,7 @@ class GrammarWorker:
         except OSError as e:
             raise GrammarWorkerError(f"the grammar worker is gone: {e}") from None
 
-    def _receive(self):
+    def _receive(self) -> object:
         try:
             reply = self._conn.recv()
         except (EOFError, OSError) as e:

@@ -89,7 +89,7 @@ class LLMEngine:
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
                              if self.tokenizer else None)
-            self.grammar_worker = GrammarWorker(self.grammars.info, self.sample_vocab_size) if self.grammars else None
+            self.grammar_worker = GrammarWorker(self.grammars.info) if self.grammars else None
         except BaseException:
             self.close()
             raise
@@ -174,20 +174,18 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, "
                 f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.", param=param)
-        grammar = None
         if params.structured is not None:  # compiled here, off the engine thread, before anything is sent
             if self.grammars is None:
                 raise InvalidRequestError("Structured output needs a tokenizer.", param=params.structured.param)
             if self.grammar_worker is not None:  # it compiles its own copy meanwhile
                 self.grammar_worker.prepare(params.structured)
-            grammar = self.grammars.compile(params.structured)
+            self.grammars.compile(params.structured)  # raises for a bad spec; the worker keeps the matchers
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=params.max_tokens or room,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            grammar=grammar,
         )
 
     def _need_tokenizer(self) -> Tokenizer:
@@ -204,7 +202,7 @@ class LLMEngine:
         request.sequences.append(seq)
         self.requests[request.request_id] = request
         self.prompt_tokens_total += request.num_prompt_tokens
-        self.constrained_requests_total += request.grammar is not None
+        self.constrained_requests_total += request.params.structured is not None
         self.scheduler.add(seq)
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
@@ -285,7 +283,7 @@ class LLMEngine:
         sampling = [s for s in out.scheduled if s.samples]
         rows = [self.runner.sample_row(s) for s in sampling]
         # Unconstrained steps sample now; a step with a grammar row waits for its masks.
-        constrained = any(s.seq.request.grammar is not None for s in sampling)
+        constrained = any(s.seq.request.params.structured is not None for s in sampling)
         sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
         for row, s in enumerate(sampling):
@@ -298,7 +296,7 @@ class LLMEngine:
         """Have the grammar worker fill each constrained row's allowed next tokens (its grammar has
         seen every earlier token); False if no row needs one."""
         rows = [(row, grammar) for row, s in enumerate(sampling)
-                if s.seq.request.grammar is not None and not s.seq.is_finished
+                if s.seq.request.params.structured is not None and not s.seq.is_finished
                 and not (grammar := self._grammar(s.seq)).ended]
         if rows:
             self.grammar_worker.submit(rows, len(sampling))
@@ -345,7 +343,7 @@ class LLMEngine:
         token it refused (masked out, so never expected; the worker says so): the sample ends rather
         than leave the grammar."""
         for s, token_id in zip(in_flight.sampling, in_flight.sampled.token_id_list):
-            if s.seq.request.grammar is not None and not s.seq.is_finished:
+            if s.seq.request.params.structured is not None and not s.seq.is_finished:
                 grammar = self._grammar(s.seq)
                 self.grammar_worker.accept(grammar, token_id)
                 grammar.ended = grammar.ended or token_id in self.eos_token_ids

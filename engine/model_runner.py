@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.llama import DecoderModel
-from engine.sampler import SampleRow, Sampler, SamplerOutput, TokenMask
+from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import programmatic_launches, to_device
@@ -153,7 +153,7 @@ class ModelRunner:
         return self.forward(step, prev)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Launch the sampling of launch's logits (one row per sampling sequence, in order) and the
         copy of the ids to the host; the other ranks take them too, for their next placeholders."""
         sampled = self.sampler(logits, rows, mask)

@@ -83,35 +83,21 @@ class SamplerOutput:
         return result
 
 
-@dataclass
-class TokenMask:
-    """Allowed tokens of some rows of a batch: bit v of bitmask[k] set means row rows[k] may take
-    token v. Filled on the host (engine/structured_output.py), copied to the device here."""
-
-    rows: list[int]
-    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32
-
-
 @cache
 def _bit_shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
-def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
-    """-inf where a constrained row may not go (out of place); other rows are untouched. The bits
-    are spread to the whole batch on the host (rows without a grammar allow everything), so the
-    device gets one copy and a few elementwise kernels, no gathers."""
-    if mask is None or not mask.rows:
+def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """-inf where a row may not go (out of place). `mask` is the batch's [B, ceil(V / 32)] int32
+    bitmask in xgrammar's layout, filled on the host (engine/grammar_worker.py): bit v of row r set
+    means row r may take token v; rows without a grammar have every bit set. One copy to the device
+    and a few elementwise kernels, no gathers."""
+    if mask is None:
         return logits
-    batch, vocab = logits.shape
-    words = mask.bitmask
-    if mask.rows != list(range(batch)):
-        words = torch.full((batch, words.shape[1]), -1, dtype=torch.int32).index_copy_(
-            0, torch.tensor(mask.rows), words)
-        words = words.pin_memory() if logits.is_cuda else words
-    words = words.to(logits.device, non_blocking=True)
-    shifts = _bit_shifts(logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    vocab = logits.shape[1]
+    words = mask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> _bit_shifts(logits.device)) & 1).bool().flatten(1)[:, :vocab]
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -244,7 +230,7 @@ class Sampler:
     def __init__(self, vocab_size: int | None = None) -> None:
         self.vocab_size = vocab_size
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: TokenMask | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed;
         rows that `mask` names only among their allowed tokens."""
         raw = logits[:, : self.vocab_size].float()

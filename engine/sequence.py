@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from xgrammar import CompiledGrammar
-
     from engine.grammar_worker import Grammar
     from engine.tokenizer import IncrementalDetokenizer
 
@@ -82,7 +80,6 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    grammar: "CompiledGrammar | None" = None  # the grammar every sample's output must match
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
-from engine.sampler import Sampler, SampleRow, TokenMask, apply_token_mask
+from engine.sampler import Sampler, SampleRow, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.grammar_worker import GrammarWorker, GrammarWorkerError
 from engine.structured_output import GrammarCompiler
@@ -248,14 +248,16 @@ def test_real_model_answers_in_shape(default_model_dir: Path) -> None:
 def test_same_spec_compiles_once(engine: LLMEngine) -> None:
     spec = StructuredOutput("regex", "[0-9]{4}-cache-test")
     compiles = engine.grammars.compiles
-    first = engine.make_request("hi", SamplingParams(structured=spec))
+    engine.make_request("hi", SamplingParams(structured=spec))
     assert engine.grammars.compiles == compiles + 1
     # The same spec from another field is the same grammar: param names the field, not the spec.
     same = StructuredOutput(spec.kind, spec.spec, "guided_regex")
-    again = engine.make_request("hello", SamplingParams(structured=same))
-    assert engine.grammars.compiles == compiles + 1 and again.grammar is first.grammar
-    other = engine.make_request("hi", SamplingParams(structured=StructuredOutput("regex", "[0-9]{5}-cache-test")))
-    assert engine.grammars.compiles == compiles + 2 and other.grammar is not first.grammar
+    engine.make_request("hello", SamplingParams(structured=same))
+    assert engine.grammars.compiles == compiles + 1 and engine.grammars.compile(same) is engine.grammars.compile(spec)
+    other = StructuredOutput("regex", "[0-9]{5}-cache-test")
+    engine.make_request("hi", SamplingParams(structured=other))
+    assert engine.grammars.compiles == compiles + 2
+    assert engine.grammars.compile(other) is not engine.grammars.compile(spec)
     assert not engine.has_unfinished()  # make_request queues nothing
 
 
@@ -515,6 +517,14 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def batch_mask(batch: int, allowed: dict[int, torch.Tensor], vocab: int) -> torch.Tensor:
+    """The batch's bitmask: row r's bits from allowed[r] ([V] bool), every bit set in the other rows."""
+    words = torch.full((batch, (vocab + 31) // 32), -1, dtype=torch.int32)
+    for row, bits in allowed.items():
+        words[row] = pack_bits(bits.unsqueeze(0))[0]
+    return words
+
+
 @pytest.mark.parametrize("vocab", [32, 37, 100, 1000])
 def test_apply_token_mask_touches_only_the_named_rows(vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
@@ -524,7 +534,7 @@ def test_apply_token_mask_touches_only_the_named_rows(vocab: int) -> None:
     allowed = torch.rand(len(rows), vocab, generator=gen) < 0.3
     allowed[:, -1] = True  # the last id, in the padded word, is reachable
     allowed[0, 31 % vocab] = True  # bit 31: the int32 sign bit
-    masked = apply_token_mask(logits, TokenMask(rows, pack_bits(allowed)))
+    masked = apply_token_mask(logits, batch_mask(5, dict(zip(rows, allowed)), vocab))
     assert torch.equal(logits, before)  # out of place
     for k, r in enumerate(rows):
         assert torch.equal(masked[r][allowed[k]], logits[r][allowed[k]])
@@ -532,7 +542,7 @@ def test_apply_token_mask_touches_only_the_named_rows(vocab: int) -> None:
     for r in (1, 2, 4):
         assert torch.equal(masked[r], logits[r])
     assert apply_token_mask(logits, None) is logits
-    assert apply_token_mask(logits, TokenMask([], torch.empty(0, (vocab + 31) // 32, dtype=torch.int32))) is logits
+    assert torch.equal(apply_token_mask(logits, batch_mask(5, {}, vocab)), logits)
 
 
 def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
@@ -543,12 +553,12 @@ def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
     best = max((5, 40, 69), key=lambda v: logits[1, v].item())
     assert logits[1].argmax().item() != best  # the mask must change the pick
     greedy = [SampleRow(SamplingParams(temperature=0.0), 0, 0, [], []) for _ in range(3)]
-    out = Sampler()(logits, greedy, TokenMask([1], pack_bits(allowed)))
+    out = Sampler()(logits, greedy, batch_mask(3, {1: allowed[0]}, vocab))
     assert out.token_id_list == [logits[0].argmax().item(), best, logits[2].argmax().item()]
     sampled = [SampleRow(SamplingParams(temperature=1.0), seed, 0, [], []) for seed in range(3)]
     for seed in range(20):  # a sampled row, whatever its noise, stays inside the mask
         sampled[1].seed = seed
-        assert Sampler()(logits, sampled, TokenMask([1], pack_bits(allowed))).token_id_list[1] in (5, 40, 69)
+        assert Sampler()(logits, sampled, batch_mask(3, {1: allowed[0]}, vocab)).token_id_list[1] in (5, 40, 69)
 
 
 def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
@@ -557,7 +567,7 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
     spec = StructuredOutput.choice(["yes", "no"])
     vocab = engine.sample_vocab_size
     yes = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
-    worker = GrammarWorker(engine.grammars.info, vocab)
+    worker = GrammarWorker(engine.grammars.info)
     try:
         grammars = [(1, worker.grammar(spec)), (2, worker.grammar(spec))]
         worker.submit(grammars, 3)
@@ -565,16 +575,16 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
         worker.accept(grammars[1][1], yes)
         worker.submit(grammars, 3)
         mask = worker.masks()
-        assert mask.rows == [0, 1, 2] and torch.all(mask.bitmask[0] == -1)  # row 0 has no grammar: all allowed
+        assert mask.shape[0] == 3 and torch.all(mask[0] == -1)  # row 0 has no grammar: all allowed
         for row, tokens in ((1, []), (2, [yes])):  # the same matcher, here, after the same tokens
             matcher = xgr.GrammarMatcher(engine.grammars.compile(spec))
             assert all(matcher.accept_token(t) for t in tokens)
             alone = xgr.allocate_token_bitmask(1, vocab)
             matcher.fill_next_token_bitmask(alone)
-            assert torch.equal(alone[0], mask.bitmask[row])
+            assert torch.equal(alone[0], mask[row])
         masked = apply_token_mask(torch.zeros(3, vocab), mask)
         for row, _ in grammars:
-            expected = xgr.testing.bitmask_to_bool_mask(mask.bitmask[row: row + 1], vocab)[0]
+            expected = xgr.testing.bitmask_to_bool_mask(mask[row: row + 1], vocab)[0]
             assert torch.equal(masked[row] == 0, expected)
         first = set(torch.nonzero(masked[1] == 0).flatten().tolist())
         decoded = {engine.tokenizer.decode([t]) for t in first}
@@ -593,7 +603,7 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
 def test_a_dead_grammar_worker_is_an_error_not_a_hang(engine: LLMEngine) -> None:
     """The engine thread waits on the worker's reply: if the worker dies, the wait ends in an error
     (the engine loop then fails every request) instead of blocking for ever."""
-    worker = GrammarWorker(engine.grammars.info, engine.sample_vocab_size)
+    worker = GrammarWorker(engine.grammars.info)
     try:
         worker.start()
         worker._process.kill()
