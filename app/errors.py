@@ -65,7 +65,7 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 _UNION_MEMBER = re.compile(r"[^a-z0-9_]|^(str|int|float|bool|dict|list|none)$")
 
 
-def _param(loc: tuple) -> str:
+def param_of(loc: tuple) -> str:
     """pydantic's location ('messages', 0, 'role') as OpenAI writes it: messages[0].role. It ends
     where pydantic names a union's member ("literal['auto']", "list[TextPart]", "str"): not a field."""
     out = ""
@@ -88,7 +88,7 @@ async def handle_minillm_error(request: Request, exc: Exception) -> Response:
 async def handle_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ValidationError)
     first = exc.errors(include_url=False)[0]
-    param = _param(tuple(first["loc"]))
+    param = param_of(tuple(first["loc"]))
     return error_response(400, f"Invalid value for {param or 'the body'}: {first['msg']}.", "invalid_request_error", param or None)
 
 

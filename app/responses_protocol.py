@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.errors import param_of
 from app.protocol import (FunctionCall, FunctionDefinition, Message, NamedToolChoice, Tool, ToolCall, ToolUse, _Body,
                           tool_use)
 from engine.errors import InvalidRequestError
@@ -123,8 +124,9 @@ def _validated(model: type[_Body], data: dict[str, Any], param: str) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-        raise InvalidRequestError(f"Invalid value for {param}{where}: {first['msg']}.", param=param + where) from None
+        where = param_of(tuple(first["loc"]))
+        full = f"{param}.{where}" if where else param
+        raise InvalidRequestError(f"Invalid value for {full}: {first['msg']}.", param=full) from None
 
 
 def _string(item: dict[str, Any], key: str, param: str) -> str:
