@@ -5,10 +5,12 @@ every constrained step: the engine's host loop is what bounds decode speed at sm
 batches. In a worker process it runs while the engine thread collects the last step, schedules and
 prepares the next (the cost, measured: bench/README.md).
 
-The engine thread talks to it by message, one per constrained step: the tokens sampled since the
-last message (each fed to its sequence's matcher), matchers to open (a new sample's grammar) or
-close (its sequence is gone), and the rows to fill. The worker fills them into a bitmask in shared
-memory and replies with the sequences whose matcher refused its token and the seconds it spent.
+The engine thread talks to it by message, one per constrained step: the ids sampled in the step
+it filled last (fed to the matchers of the rows it filled), matchers to open (a new sample's
+grammar) or close (its sequence is gone), and which matcher each row of the next step has, sent
+only when that changed. So a steady decode's message is a few hundred bytes, built without a loop
+over the rows. The worker fills the rows into a bitmask in shared memory and replies with the
+sequences whose matcher refused its token and the seconds it spent.
 The tokenizer thread also sends each new request's spec, so the worker compiles it while the
 engine compiles it to validate it.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from array import array
 import threading
 import time
 import weakref
@@ -45,18 +48,18 @@ class Grammar:
     def __init__(self, key: int, spec: StructuredOutput) -> None:
         self.key = key
         self.spec = spec
-        self.ended = False  # it took a stop token, or refused one: the sample is over
+        self.ended = False  # it took a stop token, or refused one: the sample is over (engine thread)
 
 
 @dataclass
 class _Step:
     """One message to the worker (pickled)."""
 
-    accepts: list[tuple[int, int]]  # (key, token id), in sampling order
+    fill: int  # this step's number
+    accepts: list[tuple[int, bytes]]  # (a filled step's number, its sampled ids as int32 by row)
     closes: list[int]
     opens: list[tuple[int, StructuredOutput]]
-    fills: list[tuple[int, int]]  # (key, row)
-    rows: int  # the bitmask rows to fill: every row without a grammar allows every token
+    keys: bytes | None  # int32 by row: the matcher to fill the row from, -1 for none (None: as last step)
     shm_name: str | None  # a new bitmask buffer to attach (None: the last one)
 
 
@@ -77,7 +80,9 @@ class GrammarWorker:
         self._next_key = 0
         self._opens: list[tuple[int, StructuredOutput]] = []
         self._closes: list[int] = []  # appended by Grammar finalizers: a sequence's grammar is gone
-        self._accepts: list[tuple[int, int]] = []
+        self._accepts: list[tuple[int, bytes]] = []
+        self._fill = 0  # the number of the last submitted step
+        self._keys: list[int] | None = None  # its rows' matchers, as last sent
         self._grammars: weakref.WeakValueDictionary[int, Grammar] = weakref.WeakValueDictionary()
         self._send_lock = threading.Lock()
         self._pending = 0  # the rows of a submitted step whose masks are not taken yet (0: none)
@@ -129,23 +134,31 @@ class GrammarWorker:
         weakref.finalize(grammar, self._closes.append, key)  # the sequence is gone: drop its matcher
         return grammar
 
-    def accept(self, grammar: Grammar, token_id: int) -> None:
-        """Feed a sampled token to its grammar (sent with the next step)."""
-        self._accepts.append((grammar.key, token_id))
+    def accept(self, token_ids: list[int]) -> None:
+        """The ids sampled by row in the last submitted step: each filled row's matcher takes its
+        own (sent with the next step; a matcher that took a stop token takes no more)."""
+        self._accepts.append((self._fill, array("i", token_ids).tobytes()))
 
-    def submit(self, rows: list[tuple[int, Grammar]], batch: int) -> None:
-        """Send the tokens taken since the last step and have the worker fill these (row, grammar)s'
-        masks for a batch of `batch` rows; returns at once."""
+    def submit(self, keys: list[int]) -> bool:
+        """Send the ids taken since the last step and have the worker fill the masks of a step whose
+        row r is constrained by the grammar keyed keys[r] (-1: none); returns at once. False if no
+        row has a grammar (nothing is sent)."""
         assert not self._pending, "the last step's masks were not taken"
+        if max(keys, default=-1) < 0:
+            return False
         self.start()
+        batch = len(keys)
         if self._bitmask is None or len(self._bitmask) < batch:
             self._allocate(max(batch, 256))
-        message = _Step(self._accepts, self._closes[:], self._opens, [(g.key, row) for row, g in rows], batch,
-                        self._shm.name if self._new_shm else None)
+        self._fill += 1
+        changed = keys != self._keys
+        message = _Step(self._fill, self._accepts, self._closes[:], self._opens,
+                        array("i", keys).tobytes() if changed else None, self._shm.name if self._new_shm else None)
         del self._closes[: len(message.closes)]
-        self._accepts, self._opens, self._new_shm = [], [], False
+        self._accepts, self._opens, self._new_shm, self._keys = [], [], False, keys
         self._send(message)
         self._pending = batch
+        return True
 
     def masks(self) -> torch.Tensor:
         """Wait for the submitted step's masks: the batch's bitmask (apply_token_mask reads it).
@@ -212,6 +225,9 @@ def _register(bitmask: torch.Tensor) -> bool:
 
 def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
     """The worker process: one matcher per open sequence, a compiled grammar per spec (cached)."""
+    # One thread: torch's pool would wake every core for a fill of a few rows, then spin on them
+    # beside the engine's thread.
+    torch.set_num_threads(1)
     try:
         info = xgr.TokenizerInfo.deserialize_json(info_json)
         compiler = GrammarCompiler(info, cache_size)
@@ -219,6 +235,7 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
         matchers: dict[int, xgr.GrammarMatcher] = {}
         shm: SharedMemory | None = None
         bitmask: torch.Tensor | None = None
+        filled, keys = 0, array("i")  # the last step's number and its rows' matcher keys
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(e)
         return
@@ -239,10 +256,15 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
         try:
             start = time.perf_counter()
             refused = []
-            live = [(k, t) for k, t in step.accepts if k in matchers]
-            if live:
-                accepted = batch.batch_accept_token([matchers[k] for k, _ in live], [t for _, t in live])
-                refused = [k for (k, _), ok in zip(live, accepted) if not ok]
+            for fill, token_bytes in step.accepts:
+                if fill != filled:
+                    raise RuntimeError(f"the ids of step {fill} came after step {filled} was filled")
+                token_ids = array("i", token_bytes)
+                live = [(k, token_ids[r]) for r, k in enumerate(keys)
+                        if k >= 0 and (m := matchers.get(k)) is not None and not m.is_terminated()]
+                if live:
+                    accepted = batch.batch_accept_token([matchers[k] for k, _ in live], [t for _, t in live])
+                    refused += [k for (k, _), ok in zip(live, accepted) if not ok]
             for key in step.closes:
                 matchers.pop(key, None)
             for key, spec in step.opens:
@@ -250,14 +272,21 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
                     matchers[key] = xgr.GrammarMatcher(compiler.compile(spec))
                 except InvalidRequestError:  # the engine compiled it first, so never expected: the sample ends
                     refused.append(key)
-            fills = [(k, r) for k, r in step.fills if k in matchers]
+            if step.keys is not None:
+                keys = array("i", step.keys)
+            filled = step.fill
+            # A matcher that took a stop token is done: its row (its sequence ends) allows every token.
+            fills = [(k, r) for r, k in enumerate(keys)
+                     if k >= 0 and (m := matchers.get(k)) is not None and not m.is_terminated()]
             if step.shm_name is not None:
                 if shm is not None:
                     shm.close()
                 shm = SharedMemory(name=step.shm_name)
                 bitmask = torch.frombuffer(shm.buf, dtype=torch.int32).view(-1, (info.vocab_size + 31) // 32)
-            rows = bitmask[: step.rows]
-            rows.fill_(-1)
+            rows = bitmask[: len(keys)]
+            free = sorted(set(range(len(keys))).difference(r for _, r in fills))
+            if free:  # rows without a grammar allow every token
+                rows[free] = -1
             if fills:
                 batch.batch_fill_next_token_bitmask([matchers[k] for k, _ in fills], rows, [r for _, r in fills])
             conn.send((refused, time.perf_counter() - start))

@@ -295,12 +295,14 @@ class LLMEngine:
     def _fill_masks(self, sampling: list[ScheduledSequence]) -> bool:
         """Have the grammar worker fill each constrained row's allowed next tokens (its grammar has
         seen every earlier token); False if no row needs one."""
-        rows = [(row, grammar) for row, s in enumerate(sampling)
-                if s.seq.request.params.structured is not None and not s.seq.is_finished
-                and not (grammar := self._grammar(s.seq)).ended]
-        if rows:
-            self.grammar_worker.submit(rows, len(sampling))
-        return bool(rows)
+        keys = []
+        for s in sampling:  # the step's hot loop: kept to attribute reads
+            seq = s.seq
+            grammar = seq.grammar
+            if grammar is None and seq.request.params.structured is not None:
+                grammar = self._grammar(seq)
+            keys.append(-1 if grammar is None or grammar.ended or seq.is_finished else grammar.key)
+        return self.grammar_worker.submit(keys)
 
     def _grammar(self, seq: Sequence) -> Grammar:
         if seq.grammar is None:  # each sample (forks too) starts at the grammar's beginning
@@ -315,8 +317,8 @@ class LLMEngine:
             self._sample_deferred(in_flight)
         outputs: dict[str, RequestOutput] = {}
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
-        if in_flight.constrained:
-            self._advance_grammars(in_flight)
+        if in_flight.masked:  # each filled row's grammar takes its token (in the worker, with the next step)
+            self.grammar_worker.accept(token_ids)
         if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
             launched.masked = self._fill_masks(launched.sampling)
         for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
@@ -337,17 +339,6 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _advance_grammars(self, in_flight: _InFlight) -> None:
-        """Feed each constrained sample its new token (the worker takes them with the next step). A
-        grammar ends on one of its stop tokens (the engine's EOS ids, even under ignore_eos), or on a
-        token it refused (masked out, so never expected; the worker says so): the sample ends rather
-        than leave the grammar."""
-        for s, token_id in zip(in_flight.sampling, in_flight.sampled.token_id_list):
-            if s.seq.request.params.structured is not None and not s.seq.is_finished:
-                grammar = self._grammar(s.seq)
-                self.grammar_worker.accept(grammar, token_id)
-                grammar.ended = grammar.ended or token_id in self.eos_token_ids
-
     def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
         """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
         request, params = seq.request, seq.request.params
@@ -362,6 +353,8 @@ class LLMEngine:
         reason: str | None = None
         stop_reason: str | int | None = None
         length = position + 1
+        if seq.grammar is not None and token_id in self.eos_token_ids:  # even under ignore_eos
+            seq.grammar.ended = True
         grammar_ended = seq.grammar is not None and seq.grammar.ended
         if token_id in params.stop_token_ids or token_id in request.eos_token_ids or grammar_ended:
             reason, stop_reason = "stop", token_id

@@ -10,7 +10,7 @@ same token whatever else is in the batch and wherever it sits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from kernels.dispatch import to_device
 from kernels.sampling import gumbel_noise
+from kernels.token_mask import apply_token_mask as token_mask
 
 
 @dataclass
@@ -83,22 +84,14 @@ class SamplerOutput:
         return result
 
 
-@cache
-def _bit_shifts(device: torch.device) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.int32, device=device)
-
-
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """-inf where a row may not go (out of place). `mask` is the batch's [B, ceil(V / 32)] int32
     bitmask in xgrammar's layout, filled on the host (engine/grammar_worker.py): bit v of row r set
     means row r may take token v; rows without a grammar have every bit set. One copy to the device
-    and a few elementwise kernels, no gathers."""
+    and one kernel (kernels/token_mask.py), no gathers."""
     if mask is None:
         return logits
-    vocab = logits.shape[1]
-    words = mask.to(logits.device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> _bit_shifts(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    return token_mask(logits, mask.to(logits.device, non_blocking=True))
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:

@@ -570,10 +570,11 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
     worker = GrammarWorker(engine.grammars.info)
     try:
         grammars = [(1, worker.grammar(spec)), (2, worker.grammar(spec))]
-        worker.submit(grammars, 3)
+        other = engine.tokenizer.encode("no", add_special_tokens=False)[0]
+        worker.submit([-1, -1, grammars[1][1].key])  # only row 2 is filled: only it takes its token
         worker.masks()
-        worker.accept(grammars[1][1], yes)
-        worker.submit(grammars, 3)
+        worker.accept([other, other, yes])
+        worker.submit([-1] + [g.key for _, g in grammars])
         mask = worker.masks()
         assert mask.shape[0] == 3 and torch.all(mask[0] == -1)  # row 0 has no grammar: all allowed
         for row, tokens in ((1, []), (2, [yes])):  # the same matcher, here, after the same tokens
@@ -591,9 +592,8 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
         assert decoded and all("yes".startswith(d) or "no".startswith(d) for d in decoded)
         assert set(torch.nonzero(masked[2] == 0).flatten().tolist()) <= set(engine.eos_token_ids)  # "yes" is done
         assert torch.equal(masked[0], torch.zeros(vocab))
-        worker.accept(grammars[0][1], yes)  # a refused token ("yes" again at the end) ends that grammar
-        worker.accept(grammars[1][1], yes)
-        worker.submit([], 3)
+        worker.accept([other, yes, yes])  # row 1 starts its "yes"; row 2 is done, so refuses it: that grammar ends
+        worker.submit([-1, grammars[0][1].key, -1])
         worker.masks()
         assert not grammars[0][1].ended and grammars[1][1].ended
     finally:
@@ -609,7 +609,7 @@ def test_a_dead_grammar_worker_is_an_error_not_a_hang(engine: LLMEngine) -> None
         worker._process.kill()
         worker._process.join(10)
         with pytest.raises(GrammarWorkerError):
-            worker.submit([(0, worker.grammar(StructuredOutput.choice(["yes"])))], 1)
+            worker.submit([worker.grammar(StructuredOutput.choice(["yes"])).key])
             worker.masks()
     finally:
         worker.close()
