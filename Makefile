@@ -46,7 +46,9 @@ bench: install
 	$(BIN)/python bench/cpu.py
 
 # Headless locust run (loadtest/locustfile.py) with CSV and HTML reports in $(REPORT_DIR); it starts
-# no server. E.g. make loadtest HOST=http://gpu-box:8000 USERS=64 RUN_TIME=10m LOCUST_ARGS="--max-tokens 256"
+# no server. Users come in steps (a quarter of USERS every 30 s, shorter steps when RUN_TIME needs them:
+# all USERS run for its second half at least); the run's first lines say the plan.
+# E.g. make loadtest HOST=http://gpu-box:8000 USERS=64 RUN_TIME=10m LOCUST_ARGS="--max-tokens 256"
 loadtest: install
 	@mkdir -p $(REPORT_DIR)
 	$(BIN)/locust -f loadtest/locustfile.py --headless --host $(HOST) -u $(USERS) -r $(SPAWN_RATE) \

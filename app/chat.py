@@ -19,7 +19,7 @@ from starlette.responses import Response
 from app.errors import typed_error_body
 from app.generation import Generation, collect, event_stream, join_choices, observed, read_json, start, state_of
 from app.json import SSE_DONE, JSONResponse, sse
-from app.protocol import ChatCompletionRequest, ToolUse
+from app.protocol import ChatCompletionRequest, ToolUse, cache_salt
 from app.tools import ArgumentsDelta, ContentDelta, Event, ToolCallParser, ToolCallStart, ToolFormat, format_for
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError, MinillmError
@@ -154,6 +154,8 @@ async def chat_completions(request: Request) -> Response:
     body = ChatCompletionRequest.model_validate(await read_json(request, state.settings.max_body_bytes))
     state.check_model(body.model)
     messages, params, use = body.to_engine()
+    params.cache_salt = cache_salt(body.cache_salt, request.headers.get("authorization"),
+                                   state.settings.prefix_cache_isolation == "api-key")
     engine = state.live_engine()
     messages, tools = prepare_tools(engine, state.settings.tool_call_parser, use, messages, params)
     chat = Chat(messages, tools=use.tools if use else None, add_generation_prompt=body.add_generation_prompt,

@@ -125,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
                                        "layout) into a new model directory that minillm loads.")
     add_quantize_args(quant)
     args = parser.parse_args(argv)
+    if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        print(f"minillm: --log-level must be one of debug, info, warning, error, critical; got {args.log_level!r}",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command == "serve":
-        from app.server import serve  # imports Granian: only the server needs it
-
-        serve(server_settings(args))
-        return 0
     try:
+        if args.command == "serve":
+            from app.server import serve  # imports Granian: only the server needs it
+
+            serve(server_settings(args))  # exits non-zero (SystemExit) when the worker fails
+            return 0
         if args.command == "quantize":
             return quantize(args)
         from engine.llm_engine import LLMEngine  # imports torch: only once a model is needed

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.json import JSONResponse
-from engine.errors import (ContextLengthError, EngineDeadError, InvalidRequestError, MinillmError, ModelLoadError,
-                           RequestAbortedError)
+from engine.errors import (ContextLengthError, EngineDeadError, EngineFailedError, InvalidRequestError, MinillmError,
+                           ModelLoadError, RequestAbortedError)
 
 log = logging.getLogger("minillm.app")
 
@@ -25,6 +25,7 @@ ENGINE_ERRORS: dict[type[MinillmError], tuple[int, str]] = {
     InvalidRequestError: (400, "invalid_request_error"),
     ModelLoadError: (500, "model_load_error"),
     EngineDeadError: (503, "service_unavailable"),
+    EngineFailedError: (500, "internal_error"),
     RequestAbortedError: (499, "request_aborted"),
     MinillmError: (500, "internal_error"),
 }

@@ -4,33 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
 from app import tracing
 from app.errors import APIError
 from app.json import loads
 from app.state import AppState
+from engine.errors import RequestAbortedError
 from engine.outputs import RequestOutput, Usage
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past the limit (even without Content-Length), 400 if not JSON."""
+    """The body as JSON: 415 if it says it is something else, 413 past the limit (even without
+    Content-Length), 408 if it is not all there within --body-timeout, 400 if not JSON."""
+    check_json_type(request.headers.get("content-type"))
+    timeout = state_of(request).settings.body_timeout
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            # The rest of the body stays unread, so the server will drop the connection: say so, or a
-            # keep-alive client sends its next request into a closing socket.
-            raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error", code="body_too_large",
-                           headers={"Connection": "close"})
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    # The rest of the body stays unread, so the server will drop the connection: say so, or a
+                    # keep-alive client sends its next request into a closing socket.
+                    raise APIError(413, f"Request body larger than {limit} bytes.", "invalid_request_error",
+                                   code="body_too_large", headers={"Connection": "close"})
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s.", "invalid_request_error",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise body_unreadable(request) from None
     try:
         data = loads(bytes(body))
     except ValueError:
@@ -38,6 +49,25 @@ async def read_json(request: Request, limit: int) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "The body must be a JSON object.", "invalid_request_error")
     return data
+
+
+def check_json_type(content_type: str | None) -> None:
+    """415 unless the body says it is JSON or says nothing (read as JSON, as vLLM's FastAPI does; vLLM
+    refuses other types too, with a validation error)."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Content-Type {media_type!r} is not accepted here: send 'Content-Type: application/json'.",
+                       "invalid_request_error", code="unsupported_media_type", headers={"Connection": "close"})
+
+
+def body_unreadable(request: Request) -> APIError:
+    """The server gave up on the body: the client left mid-body, or its chunked encoding is broken."""
+    if "content-length" in request.headers:  # a body of known length stops short only when the client leaves
+        return APIError(499, "The client closed the connection before sending the whole body.", "request_aborted",
+                        code="client_closed")
+    return APIError(400, "The request body could not be read: its chunked encoding is malformed (or the client "
+                    "left before it ended).", "invalid_request_error", code="invalid_body",
+                    headers={"Connection": "close"})
 
 
 def state_of(request: Request) -> AppState:
@@ -119,15 +149,35 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 async def start(request: Request, gen: Generation, prompts: list[Any], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Validate every prompt now (errors before any byte is sent), then queue them all."""
+    """Admit the call (its prompts × n sequences), validate every prompt off the event loop (errors
+    before any byte is sent), then queue them all. A client that leaves meanwhile stops the work."""
     state = state_of(request)
     engine = state.live_engine()
-    state.check_queue(engine)
-    prepared = await engine.prepare_all([(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}")
-                                         for i, p in enumerate(prompts)])
-    gen.usages = {i: Usage(r.num_prompt_tokens, 0) for i, r in enumerate(prepared)}
-    gen.num_choices = len(prepared) * gen.n
-    return merged([engine.stream(r) for r in prepared])
+    with state.admit(engine, len(prompts) * params.n):
+        prepared = await unless_gone(request, engine.prepare_all(
+            [(p, replace(params, stop=list(params.stop)), f"{gen.id}-{i}") for i, p in enumerate(prompts)]))
+        gen.usages = {i: Usage(r.num_prompt_tokens, 0) for i, r in enumerate(prepared)}
+        gen.num_choices = len(prepared) * gen.n
+        return merged([engine.stream(r) for r in prepared])  # queued now: waiting in the engine's count
+
+
+T = TypeVar("T")
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """work's result, unless the client goes away first: then work is cancelled (499)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise RequestAbortedError("The client went away before its prompts were queued.")
+    return task.result()
 
 
 async def observed(request: Request, gen: Generation,
@@ -171,7 +221,8 @@ async def observed(request: Request, gen: Generation,
 
 
 async def until_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body is already read, so receive() waits for that)."""
+    """Returns when the client goes away, or reads nothing past --write-timeout (the body is already
+    read, so receive() waits for that)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -40,7 +40,7 @@ class _EngineCollector(Collector):
 
         capacity = s.kv_blocks_total * s.kv_bytes_per_block
         yield gauge("requests_running", "Sequences in the running batch.", s.running)
-        yield gauge("requests_waiting", "Sequences waiting to be scheduled.", s.waiting)
+        yield gauge("requests_waiting", "Sequences waiting for the engine: being tokenized, queued or preempted (what --max-queue bounds).", s.waiting)
         yield gauge("kv_cache_used_bytes", "KV-cache bytes held by sequences.", s.kv_blocks_used * s.kv_bytes_per_block)
         yield gauge("kv_cache_capacity_bytes", "KV-cache bytes in the pool.", capacity)
         yield gauge("kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1).",
@@ -62,6 +62,7 @@ class Metrics:
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model, stats))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes &c.: what a soak watches for leaks
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(f"minillm_{name}", doc, ["model"], buckets=buckets, registry=self.registry)
@@ -78,8 +79,10 @@ class Metrics:
                           RATE_BUCKETS)
         self.finished = Counter("minillm_requests_finished", "Finished samples by finish reason.",
                                 ["model", "finish_reason"], registry=self.registry)
-        self.http = Counter("minillm_http_requests", "HTTP responses by status code.",
+        self.http = Counter("minillm_http_requests", "HTTP responses by status code (499: the client left first).",
                             ["model", "status"], registry=self.registry)
+        self.http_active = Gauge("minillm_http_requests_active", "HTTP requests being served, probes aside "
+                                 "(--max-connections caps them).", ["model"], registry=self.registry).labels(model)
 
     def observe_finished(self, times: RequestTimes | None, latency: float, ttft: float | None, prompt_tokens: int,
                          output_tokens: int, finish_reasons: list[str]) -> None:

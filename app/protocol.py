@@ -1,19 +1,47 @@
 """OpenAI request bodies (pydantic, unknown fields ignored) and how they map onto SamplingParams."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from app.json import dumps as orjson_dumps, loads as orjson_loads
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput, seed_out_of_range
 
 
 class _Body(BaseModel):
     # Clients send new fields before servers know them: accept and ignore.
     model_config = ConfigDict(extra="ignore")
+
+
+# An empty model name means the served model, as an omitted one does.
+ModelName = Annotated[str | None, BeforeValidator(lambda v: None if v == "" else v)]
+
+
+def _seed(value: Any) -> Any:
+    """JSON integers past 64 bits reach us as floats (orjson), rounded: -2**63 - 1 reads as -2**63. An
+    integer that fits always comes as an int, so a float at or past either bound is out of range."""
+    if isinstance(value, float) and abs(value) >= 2**63:
+        raise seed_out_of_range(value)
+    return value
+
+
+Seed = Annotated[int | None, BeforeValidator(_seed)]
+# vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+CacheSalt = Annotated[str | None, Field(min_length=1)]
+
+
+def cache_salt(salt: str | None, authorization: str | None, by_api_key: bool) -> str | None:
+    """A request's prefix-cache salt: its cache_salt, led under --prefix-cache-isolation api-key by a
+    digest of the caller's Authorization header (the key itself is kept nowhere), so no tenant's
+    timing shows whether another sent a prompt. The digest has a fixed length: no salt poses as it."""
+    if not by_api_key:
+        return salt
+    key = hashlib.sha256((authorization or "").encode("utf-8", "surrogatepass")).hexdigest()
+    return key if salt is None else f"{key}:{salt}"
 
 
 class StreamOptions(_Body):
@@ -119,12 +147,12 @@ class StructuredOutputs(_Body):
 class _Sampling(_Body):
     """Fields both endpoints share, with OpenAI's names and defaults, plus vLLM's common extras."""
 
-    model: str | None = None
+    model: ModelName = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed = None
     temperature: float | None = None
     top_p: float | None = None
     frequency_penalty: float = 0.0
@@ -138,6 +166,7 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    cache_salt: CacheSalt = None
     # Structured outputs, vLLM's names: the current one and the older guided_* fields.
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -296,11 +325,14 @@ def tool_use(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 MAX_PROMPTS = 256  # each prompt is a request (times n): bound what one call can queue
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's: the context)
+# Null too means the default: a client sending it must not run to the end of the context.
+CompletionMaxTokens = Annotated[int | None, BeforeValidator(lambda v: COMPLETION_MAX_TOKENS if v is None else v)]
 
 
 class CompletionRequest(_Sampling):
     prompt: PromptInput
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: CompletionMaxTokens = COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -321,9 +353,18 @@ class CompletionRequest(_Sampling):
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
+    @property
+    def scoring_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (with its logprobs, if asked), as in
+        OpenAI's and vLLM's API."""
+        return self.echo and self.max_tokens == 0
+
     def to_engine(self) -> tuple[list[str | list[int]], SamplingParams]:
         self.check_common()
-        params = self.sampling_params(self.max_tokens, self.logprobs)
+        # Scoring only: the engine samples one token (from the prefill's logits: no extra step), left out of the answer.
+        params = self.sampling_params(1 if self.scoring_only else self.max_tokens, self.logprobs)
+        if self.echo:
+            params.prompt_logprobs = self.logprobs  # the echoed prompt's tokens come with logprobs too
         params.structured = self.one_grammar(self.extra_grammars())
         if self.suffix:
             raise InvalidRequestError("suffix is not supported.", param="suffix")
@@ -331,13 +372,11 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError("best_of other than n is not supported.", param="best_of")
         if isinstance(self.prompt, list) and len(self.prompts()) > MAX_PROMPTS:
             raise InvalidRequestError(f"At most {MAX_PROMPTS} prompts in one request.", param="prompt")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported yet.", param="echo")
         return self.prompts(), params
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
+    model: ModelName = None
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
@@ -348,5 +387,5 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
+    model: ModelName = None
     tokens: list[int]

@@ -23,6 +23,7 @@ from app.chat import ChoiceTools, prepare_tools
 from app.errors import APIError
 from app.generation import Generation, collect, event_stream, join_choices, observed, read_json, start, state_of
 from app.json import JSONResponse, dumps
+from app.protocol import cache_salt
 from app.responses_protocol import Item, ResponsesRequest, output_items, to_messages
 from app.tools import ArgumentsDelta, ContentDelta, Event, ToolCallStart
 from engine.errors import InvalidRequestError, MinillmError
@@ -215,6 +216,8 @@ async def create_response(request: Request) -> Response:
     if not history:
         raise InvalidRequestError("input must not be empty.", param="input")
     params, use = body.to_engine()
+    params.cache_salt = cache_salt(body.cache_salt, request.headers.get("authorization"),
+                                   state.settings.prefix_cache_isolation == "api-key")
     engine = state.live_engine()
     messages, tools = prepare_tools(engine, state.settings.tool_call_parser, use,
                                     body.instruction_messages() + to_messages(history), params)

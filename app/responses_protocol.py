@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.errors import param_of
-from app.protocol import (FunctionCall, FunctionDefinition, Message, NamedToolChoice, Tool, ToolCall, ToolUse, _Body,
-                          tool_use)
+from app.protocol import (CacheSalt, FunctionCall, FunctionDefinition, Message, ModelName, NamedToolChoice, Tool,
+                          ToolCall, ToolUse, _Body, tool_use)
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, StructuredOutput
 
@@ -30,7 +30,7 @@ class TextConfig(_Body):
 
 
 class ResponsesRequest(_Body):
-    model: str | None = None
+    model: ModelName = None
     input: str | list[Any] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -45,6 +45,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: CacheSalt = None  # vLLM's extra, as on chat
     # Refused with a 400 naming them: features of OpenAI's platform this server does not have.
     background: bool | None = None
     conversation: Any = None

@@ -3,13 +3,19 @@ Granian runner behind `minillm serve`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import threading
+import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,7 +26,7 @@ from app import tracing
 from app.errors import EXCEPTION_HANDLERS
 from app.json import JSONResponse
 from app.metrics import Metrics
-from app.middleware import ServerMiddleware
+from app.middleware import SPARE_CONNECTIONS, ServerMiddleware, raise_open_files_limit
 from app.chat import chat_completions
 from app.tools import TOOL_FORMATS
 from app.openai_api import completions, detokenize, get_model, list_models, tokenize
@@ -29,9 +35,18 @@ from app.responses import ResponseStore, create_response, delete_response, get_r
 from app.settings import ServerSettings, from_env, to_env
 from app.state import AppState
 from engine.async_engine import AsyncEngine
+from engine.config import parse_bytes
+from engine.errors import InvalidRequestError, MinillmError
 from engine.llm_engine import LLMEngine
+from engine.loader import LOAD_TIME_QUANTIZATION, RANDOM_PREFIX, model_config
+from engine.model_store import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger("minillm.app")
+
+DRAIN_POLL_S = 0.05  # how often a drain looks at the requests in flight
+ABORTED_WRITE_S = 5.0  # how long aborted streams get to write their last chunk before the listener closes
+EXIT_NOW_S = 8.0  # after "stop now", the worker leaves by this time whatever still runs
+PARENT_POLL_S = 0.5  # how often the worker checks that Granian's main process is alive
 
 
 async def health(request: Request) -> Response:
@@ -57,8 +72,9 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_schema())
 
 
-async def load_engine(state: AppState) -> None:
-    """Load the model off the event loop, warm it with one token, then declare readiness."""
+async def load_engine(state: AppState, failed: Callable[[], None] = lambda: None) -> None:
+    """Load the model off the event loop, warm it with one token, then declare readiness. On failure
+    `failed` runs: under Granian it ends the server, so a bad model is a crash loop with its reason."""
     try:
         llm = await asyncio.to_thread(LLMEngine, state.settings.engine)
         await asyncio.to_thread(llm.warm_up)
@@ -66,52 +82,135 @@ async def load_engine(state: AppState) -> None:
         state.ready = True
         log.info("ready: serving %s (max_model_len %d, %d KV blocks)", state.settings.model_name,
                  engine.max_model_len, engine.stats().kv_blocks_total)
-    except Exception as e:  # noqa: BLE001 - a failed load is reported by /health, not raised into the server
+    except Exception as e:  # noqa: BLE001 - a failed load is reported by /health and ends the server
         state.load_error = e
-        log.exception("loading the model failed")
+        if isinstance(e, MinillmError):  # an expected failure: its one line, as `minillm generate` prints it
+            print(f"minillm: {e.message}", file=sys.stderr, flush=True)
+        else:
+            log.exception("loading the model failed")
+        failed()
 
 
-def watch_shutdown_signals(state: AppState) -> None:
-    """On SIGTERM/SIGINT Granian stops accepting connections and waits for in-flight requests before
-    the lifespan ends. We only observe the signal (chaining Granian's handler): /ready turns 503 at
-    once, and requests still running when the grace period ends are aborted, so the drain is bounded."""
-    loop = asyncio.get_running_loop()
-    if threading.current_thread() is not threading.main_thread():
-        return  # signals reach only the main thread (an in-process test client runs us elsewhere)
+class Shutdown:
+    """How the Granian worker stops.
 
-    def on_signal(signum: int, frame: object, previous: object) -> None:
-        if not state.draining:
-            state.draining = True
-            log.info("signal %d: draining %d in-flight requests (grace %.0f s)", signum, state.in_flight,
-                     state.settings.shutdown_grace)
-            loop.call_soon_threadsafe(loop.call_later, state.settings.shutdown_grace, abort_in_flight, state)
-        if callable(previous):
-            previous(signum, frame)
+    The first SIGTERM or SIGINT drains: /ready and new generation requests answer 503 while the
+    listener stays open; once nothing is in flight, or --shutdown-grace has passed and what still
+    runs is aborted, Granian closes the listener and the lifespan ends. The same signal again, or the
+    death of Granian's main process, means now: every stream ends at once with finish_reason "abort"
+    and `data: [DONE]`, and the worker exits within seconds."""
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous = signal.getsignal(sig)
-        signal.signal(sig, lambda signum, frame, previous=previous: on_signal(signum, frame, previous))
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.seen: set[int] = set()
+        self.stop_serving: Callable[[], None] | None = None  # Granian's: close the listener, end the worker
+        self.hurry = False
+        self.stopped = False
+
+    def take_granian_signals(self) -> None:
+        """Granian's worker closes its listener on the first signal (connections would be refused
+        during the drain) and ignores repeats: handle the worker's signals here instead, holding the
+        signal that stops Granian until the drain is over. Must run in the worker before Granian
+        installs its own handlers: Granian's factory (app_from_env) does."""
+        import granian._signals
+        from granian._granian import WorkerSignal
+
+        def set_loop_signals(loop: asyncio.AbstractEventLoop) -> WorkerSignal:
+            stop = WorkerSignal()
+            self.stop_serving = stop.set
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.on_signal, sig)
+            watch_parent(loop, self.parent_gone)
+            return stop
+
+        granian._signals.set_loop_signals = set_loop_signals
+
+    def on_signal(self, signum: int) -> None:
+        # Ctrl-C reaches the worker as SIGINT from the terminal and SIGTERM from Granian's main
+        # process: only a repeat of the same signal means "now".
+        repeated = signum in self.seen
+        self.seen.add(signum)
+        if repeated:
+            self.now(f"signal {signum} again")
+        else:
+            self.drain(f"signal {signum}")
+
+    def parent_gone(self) -> None:
+        self.now("Granian's main process is gone")
+
+    def drain(self, reason: str) -> None:
+        if self.state.draining:
+            return
+        self.state.draining = True
+        log.info("%s: draining %d in-flight requests (grace %.0f s)", reason, self.state.in_flight,
+                 self.state.settings.shutdown_grace)
+        asyncio.get_running_loop().create_task(self._drain())
+
+    def now(self, reason: str) -> None:
+        if self.hurry:
+            return
+        self.hurry = True
+        log.warning("%s: aborting %d in-flight requests now", reason, self.state.in_flight)
+        # Should anything hold the exit (a model still loading, a client not reading), leave anyway.
+        failsafe = threading.Timer(EXIT_NOW_S, os._exit, args=(1,))
+        failsafe.daemon = True
+        failsafe.start()
+        if not self.state.draining:
+            self.state.draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.state.settings.shutdown_grace
+        while self.state.in_flight and not self.hurry and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.state.in_flight and self.state.engine is not None:
+            if not self.hurry:
+                log.warning("grace period over: aborting %d requests still in flight", self.state.in_flight)
+            self.state.engine.abort_all()
+            deadline = loop.time() + ABORTED_WRITE_S  # the aborted streams' last chunk and [DONE]
+            while self.state.in_flight and loop.time() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+        self.stop()
+
+    def stop(self) -> None:
+        """Close the listener and end the worker (after its open responses and the lifespan)."""
+        if self.stop_serving is not None and not self.stopped:
+            self.stopped = True
+            self.stop_serving()
 
 
-def abort_in_flight(state: AppState) -> None:
-    if state.engine is not None and state.in_flight:
-        log.warning("grace period over: aborting %d requests still in flight", state.in_flight)
-        state.engine.abort_all()
+def watch_parent(loop: asyncio.AbstractEventLoop, gone: Callable[[], None]) -> None:
+    """Call `gone` on the loop once this process's parent has died (Granian's main process killed
+    with SIGKILL would otherwise leave this worker serving)."""
+    parent = multiprocessing.parent_process()
+    expected = parent.pid if parent is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == expected:
+            time.sleep(PARENT_POLL_S)
+        with contextlib.suppress(RuntimeError):  # the loop already closed: the worker is ending anyway
+            loop.call_soon_threadsafe(gone)
+
+    threading.Thread(target=watch, name="minillm-parent-watch", daemon=True).start()
 
 
-def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> Any:
-    """The ASGI app. The engine loads in the background after startup, so /health answers at once."""
+def create_app(settings: ServerSettings, tracer_provider: Any | None = None, granian_worker: bool = False) -> Any:
+    """The ASGI app. The engine loads in the background after startup, so /health answers at once.
+    granian_worker: this is Granian's worker process, whose signals and exit the app takes over."""
     state = AppState(settings, Metrics(settings.model_name, lambda: state.engine.stats() if state.engine else None))
     if tracer_provider is None and tracing.enabled():
         tracer_provider = tracing.otlp_provider()
     state.tracer_provider = tracer_provider
+    shutdown = Shutdown(state)
+    if granian_worker:
+        shutdown.take_granian_signals()
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        loading = asyncio.create_task(load_engine(state))
-        watch_shutdown_signals(state)
+        loading = asyncio.create_task(load_engine(state, shutdown.stop))
         yield
-        state.draining = True  # Granian has already let in-flight requests finish
+        state.draining = True  # the drain is over and Granian has let open responses finish
         loading.cancel()
         if state.engine is not None:
             state.engine.shutdown()
@@ -134,7 +233,7 @@ def create_app(settings: ServerSettings, tracer_provider: Any | None = None) -> 
     app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.minillm = state
     app.state.responses = ResponseStore(settings.responses_store_size)
-    asgi: Any = ServerMiddleware(app, settings.api_keys, settings.max_body_bytes, state.metrics)
+    asgi: Any = ServerMiddleware(app, settings, state.metrics)
     if tracer_provider is not None:
         asgi = tracing.instrument(asgi, tracer_provider)
     return asgi
@@ -144,18 +243,19 @@ def app_from_env() -> Any:
     """Granian's factory target: the worker process reads its settings from MINILLM_* variables."""
     settings = from_env()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return create_app(settings)
+    return create_app(settings, granian_worker=True)
 
 
 def serve(settings: ServerSettings) -> None:
     """Run the server in the foreground with Granian: one worker (it holds the model), uvloop."""
     from granian import Granian
-    from granian.constants import Interfaces, Loops
+    from granian.constants import HTTPModes, Interfaces, Loops
+    from granian.http import HTTP1Settings
 
-    if settings.tool_call_parser is not None and settings.tool_call_parser not in TOOL_FORMATS:
-        raise SystemExit(f"--tool-call-parser {settings.tool_call_parser!r} is not one of {', '.join(TOOL_FORMATS)}.")
+    check_settings(settings)
+    raise_open_files_limit(settings.max_connections + SPARE_CONNECTIONS)
     os.environ.update(to_env(settings))
-    Granian(
+    server = Granian(
         "app.server:app_from_env",
         factory=True,
         address=settings.host,
@@ -164,9 +264,81 @@ def serve(settings: ServerSettings) -> None:
         workers=1,
         loop=Loops.uvloop,
         log_enabled=True,
-        log_level=settings.log_level,  # type: ignore[arg-type]
+        log_level=settings.log_level.lower(),  # type: ignore[arg-type]
         log_access=False,  # our own structured access line replaces Granian's
         # Granian waits for in-flight requests on SIGTERM; the app aborts them after the grace
         # period, and this is the hard stop should anything still hang.
         workers_kill_timeout=int(settings.shutdown_grace) + 10,
-    ).serve()
+        # HTTP/1.1 alone: its header timeout then runs from the accept, so connections that never send
+        # a byte are closed too (the HTTP/2-detecting reader waits for a first byte with no timeout).
+        http=HTTPModes.http1,
+        http1_settings=HTTP1Settings(header_read_timeout=round(settings.header_timeout * 1000)),
+        # Past this many connections Granian stops accepting: the rest wait in the listen backlog.
+        backpressure=settings.max_connections + SPARE_CONNECTIONS,
+    )
+    server.on_startup(lambda: relay_repeated_signals(server))
+    server.serve()
+
+
+def relay_repeated_signals(server: Any) -> None:
+    """Granian's main process stops its worker once (SIGTERM) however many signals it gets: pass a
+    second SIGINT or SIGTERM on to the worker, where a repeated signal means "stop now". Runs as
+    Granian's startup hook, after it installed its own handlers."""
+    received = 0
+
+    def on_signal(signum: int, frame: Any, previous: Callable[[int, Any], Any]) -> None:
+        nonlocal received
+        received += 1
+        if received > 1:
+            for worker in server.wrks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.inner.pid, signal.SIGTERM)
+        previous(signum, frame)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if callable(previous):
+            signal.signal(sig, lambda signum, frame, previous=previous: on_signal(signum, frame, previous))
+
+
+def check_settings(settings: ServerSettings) -> None:
+    """Refuse bad flag values before Granian starts, with the error `minillm generate` would give.
+    Nothing here loads weights, converts the default model or touches the GPU (Granian forks the worker
+    after this, and CUDA must not be initialised before a fork)."""
+    config = settings.engine
+
+    def need(ok: bool, flag: str, what: str) -> None:
+        if not ok:
+            raise InvalidRequestError(f"--{flag} {what}.", param=flag.replace("-", "_"))
+
+    if config.model != DEFAULT_MODEL:
+        model_config(config.model if config.model.startswith(RANDOM_PREFIX) else resolve_model(config.model))
+    if config.tokenizer not in (None, DEFAULT_MODEL):
+        resolve_model(config.tokenizer)
+    if config.kv_cache_memory is not None:
+        need(parse_bytes(config.kv_cache_memory) > 0, "kv-cache-memory", "must be more than 0 bytes")
+    if config.dtype != "auto":
+        config.torch_dtype()  # names the dtypes; needs no device for a named one
+    if config.device != "auto":
+        try:
+            torch.device(config.device)
+        except RuntimeError:
+            need(False, "device", f"must be auto, cpu or cuda[:N], not {config.device!r}")
+    need(config.quantization in (None, "", *LOAD_TIME_QUANTIZATION), "quantization",
+         f"must be {' or '.join(LOAD_TIME_QUANTIZATION)} or unset")
+    for flag, value, least in (("block-size", config.block_size, 1), ("max-num-seqs", config.max_num_seqs, 1),
+                               ("max-num-batched-tokens", config.max_num_batched_tokens, 1),
+                               ("max-model-len", config.max_model_len, 1),
+                               ("tensor-parallel-size", config.tensor_parallel_size, 1),
+                               ("max-queue", settings.max_queue, 0), ("max-body-bytes", settings.max_body_bytes, 1),
+                               ("shutdown-grace", settings.shutdown_grace, 0),
+                               ("responses-store-size", settings.responses_store_size, 0),
+                               ("max-connections", settings.max_connections, 1)):
+        need(value is None or value >= least, flag, f"must be at least {least}")
+    for flag, seconds in (("header-timeout", settings.header_timeout), ("body-timeout", settings.body_timeout),
+                          ("write-timeout", settings.write_timeout)):
+        need(seconds >= 0.001, flag, "must be at least 0.001 seconds")
+    need(0 < config.gpu_memory_utilization <= 1, "gpu-memory-utilization", "must be in (0, 1]")
+    need(0 <= settings.port < 65536, "port", "must be in [0, 65535]")
+    need(settings.tool_call_parser is None or settings.tool_call_parser in TOOL_FORMATS, "tool-call-parser",
+         f"{settings.tool_call_parser!r} is not one of {', '.join(TOOL_FORMATS)}")

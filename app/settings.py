@@ -7,8 +7,10 @@ import os
 from dataclasses import dataclass, field, fields
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 
 ENV_PREFIX = "MINILLM_"
+PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
@@ -21,7 +23,7 @@ _ENGINE_HELP = {
     "kv_cache_memory": "bytes for the KV cache, e.g. 2GiB (default: 1GiB on CPU; on GPU what --gpu-memory-utilization leaves)",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and KV blocks (the rest of a profiled largest step goes to KV)",
     "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens computed in one step; longer prompts are prefilled in chunks (default: 8192 on a GPU of 70 GiB or more, else 2048)",
+    "max_num_batched_tokens": "most tokens computed in one step; longer prompts are prefilled in chunks (default: 8192 on a GPU of 70 GiB or more, 2048 on smaller GPUs, 512 on CPU)",
     "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
     "tensor_parallel_size": "GPUs each layer is split over, one process each (on CPU: processes, with gloo)",
@@ -37,10 +39,20 @@ class ServerSettings:
     api_key: str | None = None  # comma-separated keys; none means no auth
     max_queue: int = 256  # waiting requests beyond this get 429
     max_body_bytes: int = 10 * 2**20
+    max_connections: int = 2048  # requests served at once (probes aside); more get 503
+    header_timeout: float = 30.0  # seconds a connection gets to send a request's headers
+    body_timeout: float = 60.0  # seconds a request's whole body gets to arrive
+    write_timeout: float = 30.0  # seconds one write may wait for a client that stopped reading
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     log_level: str = "info"
     tool_call_parser: str | None = None  # the tool-call format; default: recognised from the chat template
     responses_store_size: int = 1024  # stored Responses API responses (LRU, in this process only)
+    prefix_cache_isolation: str = "none"  # one of PREFIX_CACHE_ISOLATION
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:  # a typo must not turn isolation off
+            raise InvalidRequestError(f"--prefix-cache-isolation must be {' or '.join(PREFIX_CACHE_ISOLATION)}, "
+                                      f"not {self.prefix_cache_isolation!r}.", param="prefix_cache_isolation")
 
     @property
     def api_keys(self) -> list[str]:
@@ -59,12 +71,17 @@ _HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "API key(s), comma-separated; when set, /v1/* and the tokenizer routes need 'Authorization: Bearer <key>'",
-    "max_queue": "most requests waiting for the engine; more get 429 with Retry-After",
+    "max_queue": "most sequences (prompts × n) waiting for the engine; more get 429 with Retry-After, and a call larger than this alone gets 400",
     "max_body_bytes": "largest request body accepted (413 above)",
+    "max_connections": "most requests served at once, probes aside: more get 503 with Retry-After; Granian accepts 64 connections more (probes, the refusals), the rest wait in the listen backlog",
+    "header_timeout": "seconds a connection gets to send a request's headers, idle keep-alive time included; then it is closed",
+    "body_timeout": "seconds a request's whole body gets to arrive (408 and the connection closed after)",
+    "write_timeout": "seconds one write to a client may wait while it reads nothing; then its stream is aborted as if it had left",
     "shutdown_grace": "seconds that in-flight requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
     "tool_call_parser": "tool-call format: hermes, llama3, mistral or generic (default: recognised from the chat template)",
     "responses_store_size": "most Responses API responses kept for previous_response_id and GET (LRU, per server process; 0: none)",
+    "prefix_cache_isolation": "none: every request may reuse any cached prompt prefix (a request's cache_salt still keeps it apart); api-key: only requests with the same Authorization header share cached blocks, so one tenant cannot tell from its time to first token whether another sent a prompt",
 }
 
 

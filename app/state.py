@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from app.errors import APIError
@@ -40,8 +42,19 @@ class AppState:
             raise APIError(404, f"The model '{model}' does not exist. This server serves '{self.settings.model_name}'.",
                            "not_found_error", param="model", code="model_not_found")
 
-    def check_queue(self, engine: AsyncEngine) -> None:
-        """Past max_queue requests waiting for the engine, ask the client to retry."""
-        if engine.num_waiting >= self.settings.max_queue:
+    @contextmanager
+    def admit(self, engine: AsyncEngine, num_seqs: int) -> Iterator[None]:
+        """Hold num_seqs places among the sequences waiting for the engine (a call's prompts × n)
+        while its prompts are tokenized and queued: 429 if more than --max-queue would wait, 400 if
+        the call alone is more."""
+        limit = self.settings.max_queue
+        if 0 < limit < num_seqs:
+            raise APIError(400, f"This call asks for {num_seqs} sequences (prompts × n), more than the {limit} that "
+                           "may wait at once (--max-queue).", "invalid_request_error", code="too_many_sequences")
+        if not engine.reserve(num_seqs, limit):
             raise APIError(429, "Too many requests are waiting; retry shortly.", "rate_limit_exceeded",
                            code="queue_full", headers={"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            engine.release(num_seqs)

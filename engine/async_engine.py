@@ -9,12 +9,13 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
-from engine.errors import EngineDeadError, InvalidRequestError, MinillmError
+from engine.errors import EngineDeadError, EngineFailedError, InvalidRequestError, MinillmError
 from engine.llm_engine import EngineStats, LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ from engine.sequence import Request
 from engine.tokenizer import Chat, Tokenizer
 
 log = logging.getLogger("minillm.engine")
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,6 +60,10 @@ class AsyncEngine:
         # One thread: the tokenizer is never used by two requests at once.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenizer")
         self._stats = engine.stats()
+        # Sequences admitted (reserve) or handed to the engine thread that its last stats do not
+        # count yet; with the stats' waiting ones, what admission control bounds.
+        self._unstarted = 0
+        self._lock = threading.Lock()  # _unstarted and _stats change together
         self.error: BaseException | None = None
 
     def start(self) -> "AsyncEngine":
@@ -76,14 +82,31 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def stats(self) -> EngineStats:
-        """The numbers as of the last step (read without stopping the loop)."""
-        return self._stats
+        """The numbers as of the last step (read without stopping the loop); waiting counts what
+        admission does (num_waiting)."""
+        with self._lock:
+            return replace(self._stats, waiting=self._unstarted + self._stats.waiting)
 
     @property
     def num_waiting(self) -> int:
-        """Requests streaming but not running as of the last step (queued, or preempted): what
-        admission control bounds."""
-        return len(self._channels) - self._stats.running
+        """Sequences waiting for the engine: admitted but not running yet (tokenizing, queued, or
+        preempted). Running or finished ones are not, even if their client has not read them."""
+        with self._lock:
+            return self._unstarted + self._stats.waiting
+
+    def reserve(self, num_seqs: int, max_waiting: int) -> bool:
+        """Admission: count num_seqs more sequences as waiting if at most max_waiting would then
+        wait; False if not. Checked and counted at once, so arrivals at the same moment cannot all
+        pass. The caller release()s them once stream() has queued its requests (or they failed)."""
+        with self._lock:
+            if self._unstarted + self._stats.waiting + num_seqs > max_waiting:
+                return False
+            self._unstarted += num_seqs
+            return True
+
+    def release(self, num_seqs: int) -> None:
+        with self._lock:
+            self._unstarted -= num_seqs
 
     # ---- the model and its tokenizer ------------------------------------------------------------
 
@@ -137,15 +160,40 @@ class AsyncEngine:
     async def prepare_all(self, items: list[tuple[Prompt, SamplingParams, str | None]]) -> list[Request]:
         """prepare() for each item, on the tokenizer's own thread: a long prompt's tokenization and
         chat template never hold up the event loop (its other streams)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, lambda: [self.prepare(*item) for item in items])
+        return await self.on_tokenizer_thread(lambda gone: [self.prepare(*item) for item in items if not gone()])
 
-    async def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Queue a prepared request and yield its outputs step by step. Leaving the loop early
-        (client gone) aborts the request and frees its blocks."""
+    async def on_tokenizer_thread(self, work: Callable[[Callable[[], bool]], T]) -> T:
+        """work(gone) on the tokenizer's thread, after what was queued there before. Cancelling the
+        caller (client gone) drops work not started yet; started work can poll gone() to stop early."""
+        cancelled = threading.Event()
+        future = asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work, cancelled.is_set)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a prepared request now and return its outputs, step by step. Closing the iterator
+        early (client gone), or dropping it unread, aborts the request and frees its blocks."""
         channel = _Channel(asyncio.get_running_loop(), asyncio.Queue())
         self._channels[request.request_id] = channel
+        with self._lock:
+            self._unstarted += request.params.n
         self._commands.put(("add", request))
+        if self.error is not None:  # the loop died before it could take this request
+            channel.put(EngineDeadError("The engine is not running."))
+        outputs = self._outputs(request.request_id, channel)
+        weakref.finalize(outputs, self._forget, request.request_id, channel)
+        return outputs
+
+    def _forget(self, request_id: str, channel: _Channel) -> None:
+        """A stream dropped before it was read: nobody will read its outputs."""
+        if self._channels.get(request_id) is channel:
+            self._channels.pop(request_id, None)
+            self.abort(request_id)
+
+    async def _outputs(self, request_id: str, channel: _Channel) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -160,9 +208,10 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._channels.pop(request.request_id, None)
+            if self._channels.get(request_id) is channel:
+                self._channels.pop(request_id, None)
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
@@ -184,25 +233,38 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._take_commands(block=not self._engine.has_unfinished())
+                added = self._take_commands(block=not self._engine.has_unfinished())
                 if self._engine.has_unfinished():
                     self._deliver(self._engine.step())
-                self._stats = self._engine.stats()
+                stats = self._engine.stats()
+                with self._lock:  # the added sequences are in the stats now, running or waiting
+                    self._stats = stats
+                    self._unstarted -= added
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop must reach every waiter
-            log.exception("engine loop died")
+            # Every request in flight fails (500, its id named); new ones get 503 (is_alive).
             self.error = e
-            for channel in list(self._channels.values()):
-                channel.put(EngineDeadError(f"The engine loop died: {e!r}"))
+            failed = list(self._channels.items())
+            log.exception("engine loop died; failing %d requests in flight: %s", len(failed),
+                          " ".join(request_id for request_id, _ in failed))
+            for request_id, channel in failed:
+                channel.put(EngineFailedError(f"Internal server error: the engine failed while running request "
+                                              f"{request_id} and stopped."))
 
-    def _take_commands(self, block: bool) -> None:
+    def _take_commands(self, block: bool) -> int:
+        """Carry out the queued commands (waiting up to 0.5 s for one if block); the number of
+        sequences added."""
+        added = 0
         while True:
             try:
                 kind, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             except queue.Empty:
-                return
+                return added
             block = False
             if kind == "add":
                 assert isinstance(arg, Request)
+                added += arg.params.n
+                if arg.request_id not in self._channels:
+                    continue  # its reader left before the engine saw it: nothing to abort
                 try:
                     self._engine.add(arg)
                 except MinillmError as e:

@@ -1,8 +1,9 @@
 """Paged KV cache bookkeeping: fixed-size blocks, block tables, and the prefix cache.
 
 A block's KV is reusable by any sequence whose tokens up to the end of that block are the same, so
-full blocks are keyed by a chained hash of their token ids. Blocks nobody references but that still
-hold cached KV wait in LRU order and are evicted only when a fresh block is needed.
+full blocks are keyed by a chained hash of their token ids (the chain starts from the request's
+cache salt, if any). Blocks nobody references but that still hold cached KV wait in LRU order and
+are evicted only when a fresh block is needed.
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ class Block:
 def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
     """Chained hash: a block's key covers every token before it, not just its own."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: empty, or a digest of its cache salt, so salted chains
+    share no block with other salts or with none (a digest, so no salt can pose as a block's hash)."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"minillm-salt").digest()
 
 
 class BlockManager:
@@ -59,14 +68,15 @@ class BlockManager:
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(seq.request.params.cache_salt)
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens. The last token is always left to compute,
         since its logits are needed to sample."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits
         hits: list[int] = []
         num_blocks = (seq.num_tokens - 1) // self.block_size
         for h in self._hashes(seq, num_blocks)[:num_blocks]:

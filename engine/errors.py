@@ -38,5 +38,12 @@ class EngineDeadError(MinillmError):
         super().__init__(message, code="engine_dead")
 
 
+class EngineFailedError(MinillmError):
+    """A step raised: the request in flight fails (500, naming it) and the engine stops."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_failed")
+
+
 class RequestAbortedError(MinillmError):
     """The request was aborted before it finished."""

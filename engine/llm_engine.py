@@ -42,6 +42,8 @@ class _InFlight:
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
     constrained: bool = False  # some row has a grammar: it samples late, and its tokens feed grammars
     masked: bool = False  # the grammar worker fills its masks (sent once the step before is read)
+    # Prompt logprobs computed in this step, and per request how many of them are its.
+    prompt: tuple[SamplerOutput, list[tuple[Request, int]]] | None = None
 
 
 @dataclass
@@ -78,10 +80,16 @@ class LLMEngine:
                 self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
             )
             # Ids past the tokenizer's (a padded vocabulary) are never sampled.
-            self.sample_vocab_size = len(self.tokenizer.hf) if self.tokenizer else self.model_config.vocab_size
+            # ...nor past the embedding (a tokenizer larger than the model: its extra ids are refused in prompts).
+            vocab = self.model_config.vocab_size
+            self.sample_vocab_size = min(len(self.tokenizer.hf), vocab) if self.tokenizer else vocab
             num_blocks = kv_cache_blocks(config, self.model, self.tp)
             self.max_model_len = context_length(config, self.model, num_blocks)
             self.model_config.check_context(self.max_model_len)
+            # No token stands for more characters than its vocabulary entry has, so a prompt longer
+            # than this cannot fit the context: refused before the tokenizer spends time on it.
+            longest = max(map(len, self.tokenizer.hf.get_vocab()), default=1) if self.tokenizer else 1
+            self.max_prompt_chars = self.max_model_len * longest
             self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
@@ -122,11 +130,7 @@ class LLMEngine:
             path = model_dir
         else:
             return None
-        tokenizer = Tokenizer.from_dir(path)
-        if len(tokenizer.hf) > self.model_config.vocab_size:  # its ids would index past the embedding
-            raise ModelLoadError(f"The tokenizer in {path} has {len(tokenizer.hf)} tokens, more than the model's "
-                                 f"vocabulary of {self.model_config.vocab_size}.")
-        return tokenizer
+        return Tokenizer.from_dir(path)
 
     @property
     def has_chat_template(self) -> bool:
@@ -149,6 +153,14 @@ class LLMEngine:
         """Tokenize and validate; raises a typed error before anything is queued. Touches no engine state."""
         vocab = self.model_config.vocab_size
         params.validate(vocab_size=self.sample_vocab_size)
+        if params.n > self.scheduler.max_num_seqs:  # its samples run side by side
+            raise InvalidRequestError(f"n is {params.n}, more than the {self.scheduler.max_num_seqs} sequences this "
+                                      "server runs at once (--max-num-seqs).", param="n")
+        if self.tokenizer is not None and (chars := _text_chars(prompt)) > self.max_prompt_chars:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt's "
+                f"{chars} characters cannot fit in it (at most {self.max_prompt_chars}). Please shorten the prompt.",
+                param="prompt" if isinstance(prompt, str) else "messages")
         if isinstance(prompt, str):
             token_ids = self._need_tokenizer().encode(prompt)
         elif not isinstance(prompt, (list, Chat)) or not prompt:
@@ -157,14 +169,14 @@ class LLMEngine:
             token_ids = self._need_tokenizer().apply_chat_template(prompt)  # type: ignore[arg-type]
         elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             token_ids = list(prompt)  # type: ignore[arg-type]
-            if not all(0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError("Prompt token ids must be in [0, vocab size).", param="prompt")
         else:
             raise InvalidRequestError("The prompt must be text, token ids or chat messages, and not empty.", param="prompt")
         if not token_ids:
             raise InvalidRequestError("The prompt is empty after tokenization.", param="prompt")
         room = self.max_model_len - len(token_ids)
         param = "messages" if isinstance(prompt, Chat) or isinstance(prompt[0], dict) else "prompt"  # the field sent
+        if min(token_ids) < 0 or max(token_ids) >= vocab:  # sent so, or from a tokenizer larger than the embedding
+            raise InvalidRequestError(f"Prompt token ids must be in [0, {vocab}), the model's vocabulary.", param=param)
         if room < 1:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and the prompt has "
@@ -247,7 +259,8 @@ class LLMEngine:
             outputs += self._collect(self._take_in_flight())
             prev = None
         out = self.scheduler.schedule()
-        step = self.runner.prepare(out, len(prev.sampling) if prev else None) if out.scheduled else None
+        prev_rows = len(prev.sampling) if prev is not None and prev.sampling else None  # placeholders it may name
+        step = self.runner.prepare(out, prev_rows) if out.scheduled else None
         if prev is not None and prev.sampled is None:
             self._sample_deferred(prev)
         launched = self._launch(out, step, prev) if step is not None else None
@@ -277,10 +290,18 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None else None)
+        targets = self._prompt_logprob_rows(out, step)
+        logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None and prev.sampling else None)
         if logits is None:
             return None
         sampling = [s for s in out.scheduled if s.samples]
+        prompt = None
+        if targets is not None:
+            ids, num_top, spans = targets
+            prompt = (self.runner.prompt_logprobs(logits[len(sampling):], ids, num_top), spans)
+            logits = logits[: len(sampling)]
+            if not sampling:
+                return _InFlight([], [], SamplerOutput(logits.new_empty(0, dtype=torch.int64)), prompt=prompt)
         rows = [self.runner.sample_row(s) for s in sampling]
         # Unconstrained steps sample now; a step with a grammar row waits for its masks.
         constrained = any(s.seq.request.params.structured is not None for s in sampling)
@@ -290,7 +311,36 @@ class LLMEngine:
             positions.append(s.seq.num_tokens)
             s.seq.token_ids.append(placeholder(row))
             s.seq.num_placeholders += 1
-        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained)
+        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt)
+
+    @staticmethod
+    def _prompt_logprob_rows(out: SchedulerOutput, step: StepInputs
+                             ) -> tuple[list[int], list[int], list[tuple[Request, int]]] | None:
+        """Add to `step` the rows whose logits predict prompt tokens of requests that want their
+        logprobs (each position once, even when a preempted prompt is computed again); their target
+        ids, top counts and owners. Rows are laid out as StepInputs' input ids: each computing
+        sequence's new tokens, in order."""
+        targets: list[int] = []
+        num_top: list[int] = []
+        spans: list[tuple[Request, int]] = []
+        row = 0
+        for s in out.scheduled:
+            seq, request = s.seq, s.seq.request
+            if s.num_new_tokens and seq.index == 0 and request.params.prompt_logprobs is not None:
+                start = seq.num_computed_tokens  # row + i holds position start + i, which predicts start + i + 1
+                first = max(start + 1, request.prompt_logprobs_launched)
+                end = min(start + s.num_new_tokens + 1, request.num_prompt_tokens)
+                if first < end:
+                    step.prompt_rows += range(row + first - 1 - start, row + end - 1 - start)
+                    targets += seq.token_ids[first:end]
+                    num_top += [request.params.prompt_logprobs] * (end - first)
+                    spans.append((request, end - first))
+                    request.prompt_logprobs_launched = end
+            row += s.num_new_tokens
+        if not targets:
+            return None
+        step.graph_batch = None  # never a decode-only step; said for certain
+        return targets, num_top, spans
 
     def _fill_masks(self, sampling: list[ScheduledSequence]) -> bool:
         """Have the grammar worker fill each constrained row's allowed next tokens (its grammar has
@@ -316,6 +366,12 @@ class LLMEngine:
         if in_flight.sampled is None:
             self._sample_deferred(in_flight)
         outputs: dict[str, RequestOutput] = {}
+        if in_flight.prompt is not None:
+            prompt, spans = in_flight.prompt
+            taken = 0
+            for request, count in spans:
+                request.prompt_logprobs += prompt.logprobs[taken: taken + count]
+                taken += count
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
         if in_flight.masked:  # each filled row's grammar takes its token (in the worker, with the next step)
             self.grammar_worker.accept(token_ids)
@@ -325,10 +381,13 @@ class LLMEngine:
             seq, request = s.seq, s.seq.request
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
-            if request.first_token_time is None:
+            first = request.first_token_time is None
+            if first:
                 request.first_token_time = time.monotonic()
             delta = self._append(seq, position, token_id, lp)
             ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
+            if first and request.params.prompt_logprobs is not None:
+                ro.prompt_logprobs = [None, *request.prompt_logprobs]
             ro.deltas.append(delta)
         for ro in outputs.values():
             request = self.requests[ro.request_id]
@@ -389,7 +448,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=self.scheduler.num_waiting,
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
             kv_bytes_per_block=self.kv_bytes_per_block,
@@ -416,6 +475,26 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
+def _text_chars(prompt: Prompt) -> int:
+    """Characters of prompt text that become tokens for sure: a text prompt's, or the content of a
+    chat's messages other than the assistant's (a template may drop parts of those)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    messages = prompt.messages if isinstance(prompt, Chat) else prompt
+    chars = 0
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            return 0  # token ids
+        if m.get("role") == "assistant":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return chars
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int] = field(default_factory=list)
@@ -431,8 +510,10 @@ class Completion:
     request_id: str
     samples: dict[int, SampleResult] = field(default_factory=dict)
     usage: Usage | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def extend(self, ro: RequestOutput) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or ro.prompt_logprobs
         for d in ro.deltas:
             r = self.samples.setdefault(d.index, SampleResult())
             r.token_ids += d.token_ids

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -102,6 +102,9 @@ class StepInputs:
     logit_rows: list[int]  # rows whose logits are sampled, in the order of the samples
     graph_batch: int | None  # the batch size of the captured graph that runs this step; None: eager
     has_prev: bool  # the input ids hold placeholders for the previous step's sampled ids
+    # Rows whose logits give prompt logprobs, after the sampled rows' (eager steps only: a prompt's
+    # positions before its last are never in a decode step).
+    prompt_rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -153,6 +156,12 @@ class ModelRunner:
         return self.forward(step, prev)
 
     @torch.inference_mode()
+    def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], num_top: list[int]) -> SamplerOutput:
+        """Each prompt row's next prompt token's logprob and top alternatives, their copy to the host started."""
+        out = self.sampler.prompt_logprobs(logits, targets, num_top)
+        out.start_copy()
+        return out
+
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Launch the sampling of launch's logits (one row per sampling sequence, in order) and the
         copy of the ids to the host; the other ranks take them too, for their next placeholders."""
@@ -165,8 +174,9 @@ class ModelRunner:
     def follow(self, step: StepInputs) -> None:
         """Ranks other than 0: run rank 0's step on this rank's shard, then take its sampled ids."""
         logits = self.forward(step, self._followed if step.has_prev else None)
-        if logits is not None:
-            self._followed = self.model.tp.broadcast(torch.empty(len(logits), dtype=torch.int64, device=self.device))
+        if step.logit_rows:
+            self._followed = self.model.tp.broadcast(torch.empty(len(step.logit_rows), dtype=torch.int64,
+                                                                 device=self.device))
 
     def prepare(self, out: SchedulerOutput, prev_rows: int | None) -> StepInputs:
         """The step's batch, from the scheduled sequences (host work only). `prev_rows`: how many ids
@@ -202,8 +212,8 @@ class ModelRunner:
         )
 
     def forward(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's forward on this rank: logits of its sampled rows, or None if none samples.
-        `prev` holds the previous step's sampled ids, which the placeholders name."""
+        """The step's forward on this rank: logits of its sampled rows then its prompt rows, or None
+        if it has neither. `prev` holds the previous step's sampled ids, which the placeholders name."""
         for src, dst in step.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if step.graph_batch is not None:
@@ -214,9 +224,10 @@ class ModelRunner:
         if prev is not None:
             ids = resolve_placeholders(ids, prev)
         hidden = self.model(ids, self._tensor(step.positions, torch.int64), self.kv_cache, meta)
-        if not step.logit_rows:
+        rows = step.logit_rows + step.prompt_rows
+        if not rows:
             return None
-        return self.model.compute_logits(hidden[self._tensor(step.logit_rows, torch.int64)])
+        return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
     def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence],
                    prev_rows: int | None) -> int | None:

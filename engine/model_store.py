@@ -36,6 +36,13 @@ GGUF_BLOCK = 32  # Q4_1 quantizes each weight row in blocks of 32, each with its
 
 # Written last, inside the directory, so a directory without it is never taken as complete.
 COMPLETE_MARKER = ".minillm-complete.json"
+# What a conversion writes (transformers' save_pretrained, across versions): a directory without the
+# marker that holds only these is a conversion cut short, safe to remove under the lock.
+CONVERSION_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "vocab.json", "merges.txt",
+})
 
 
 def models_dir() -> Path:
@@ -99,7 +106,7 @@ def ensure_default_model(target: Path | None = None, progress: bool = True) -> P
         # The other process may have finished while we waited.
         if is_complete(target):
             return target
-        _remove_leftovers(target)
+        _remove_leftovers(target, progress)
         _convert(target, progress)
     finally:
         lock.release()
@@ -141,19 +148,26 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _remove_leftovers(target: Path) -> None:
-    """Clear what a killed converter left behind; called with the lock held."""
-    # Holding the lock means no one else is converting, so any temporary sibling is orphaned.
+def _remove_leftovers(target: Path, progress: bool) -> None:
+    """Clear what a converter cut short left behind, so that converting again can succeed; called
+    with the lock held, so no one else is converting and every leftover is orphaned."""
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if target.is_dir() and not any(target.iterdir()):
-        target.rmdir()
-    elif target.exists():
+        _say(progress, f"removing {stale}, left by a conversion that did not finish")
+        shutil.rmtree(stale, ignore_errors=True)  # one that stays does not stop a new conversion
+    if not target.exists():
+        return
+    if target.is_dir():
+        foreign = sorted(p.name for p in target.iterdir() if p.name not in CONVERSION_FILES or not p.is_file())
+    else:
+        foreign = [target.name]
+    if foreign:
         # Never delete something we did not make: it lacks our marker, so a person must decide.
         raise ModelLoadError(
-            f"{target} exists but is not a complete conversion (no {COMPLETE_MARKER}); "
-            "remove it and start again"
+            f"{target} exists but is not a complete conversion (no {COMPLETE_MARKER}; it holds "
+            f"{', '.join(foreign[:3])}, which a conversion does not write); remove it and start again"
         )
+    _say(progress, f"removing {target}, a conversion that did not finish")
+    shutil.rmtree(target)
 
 
 def _convert(target: Path, progress: bool) -> None:

@@ -47,6 +47,9 @@ class RequestOutput:
     finished: bool = False
     prompt_token_ids: list[int] = field(default_factory=list)
     times: RequestTimes | None = None  # on the finished output only
+    # With params.prompt_logprobs, on the request's first output: None for the first prompt token
+    # (nothing predicts it), then each later prompt token's logprob and top alternatives.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by a later one of the same request, as one (for a reader that fell
@@ -64,4 +67,5 @@ class RequestOutput:
         self.usage = later.usage or self.usage
         self.finished = later.finished
         self.times = later.times or self.times
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         return self

@@ -223,6 +223,15 @@ class Sampler:
     def __init__(self, vocab_size: int | None = None) -> None:
         self.vocab_size = vocab_size
 
+    def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], num_top: list[int]) -> SamplerOutput:
+        """Row i's logprob of targets[i] (the prompt token its position predicts) and its num_top[i]
+        most likely tokens, from the raw distribution; the output's token ids are the targets."""
+        logprobs = logits[:, : self.vocab_size].float().log_softmax(dim=-1)
+        token_ids = to_device(targets, torch.int64, logits.device)
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+        top_values, top_ids = logprobs.topk(max(num_top), dim=-1)
+        return SamplerOutput(token_ids, list(range(len(targets))), num_top, chosen, top_values, top_ids)
+
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed;
         rows that `mask` names only among their allowed tokens."""

@@ -8,7 +8,13 @@ from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # each sample is a sequence made at once: an unbounded n is an out-of-memory kill
+SEED_RANGE = (-(2**63), 2**63 - 1)  # OpenAI's (a signed 64-bit integer), as vLLM checks it
 GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def seed_out_of_range(seed: float) -> InvalidRequestError:
+    return InvalidRequestError(f"seed must be a signed 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] as in "
+                               f"OpenAI's API, got {seed}.", param="seed")
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,14 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs; 0: the sampled token's only; k: also the k most likely (k <= 20).
     logprobs: int | None = None
+    # The same for each prompt token after the first (completions' echo with logprobs). Every
+    # prompt position is computed for it: such a prompt takes nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # a grammar the output must match
+    # Not sampling, but carried with the request's controls: only requests with the same salt share
+    # prefix-cache blocks (mixed into the first block's hash), so one tenant cannot time another's prompts.
+    cache_salt: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -68,6 +80,10 @@ class SamplingParams:
             raise bad("n", f"n must be in [1, {MAX_N}], got {self.n}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise seed_out_of_range(self.seed)
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad("cache_salt", "cache_salt must be a non-empty string if given.")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", f"temperature must be in [0, 2], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -84,6 +100,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}.")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise bad("stop", "stop takes at most 16 non-empty strings.")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -3,6 +3,10 @@
 Each step packs running decodes and prefill chunks under a token budget, then admits waiting
 sequences. When blocks run out, the newest running sequence is preempted by recompute: its blocks
 are freed and it goes back to the front of the queue with its tokens, so its output is unchanged.
+
+Fairness: one prompt at a time may prefill in chunks (take more than a step). While it does, a
+waiting prompt that fits in the step passes longer ones, and the chunk leaves it half the budget;
+so a huge prompt, or a call of many, never holds a short request behind it for more than a step.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
+        chunking = False  # a prefill that needs more than this step is under way: only one at a time
         running = list(self.running)
         decodes_left = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
         for seq in running:
@@ -63,7 +68,8 @@ class Scheduler:
                 decodes_left -= 1
                 num_new = min(1, budget)
             else:  # a prefill chunk leaves room for the decodes behind it
-                num_new = min(remaining, budget - decodes_left)
+                num_new = self._chunk(remaining, budget - decodes_left)
+                chunking = chunking or num_new < remaining
             if num_new <= 0:
                 continue
             while not self.block_manager.allocate_slots(seq, num_new):
@@ -75,24 +81,50 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 budget -= num_new
                 self._schedule(out, seq, num_new)
-        # Admit waiting sequences, unless memory was just short.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # Admit waiting sequences in arrival order, unless memory was just short. While a prompt is
+        # chunked, longer ones than the step holds wait (passed) and shorter ones behind them go.
+        slots = len(self.running) + sum(s.request.num_pending_forks for s in self.running if s.index == 0)
+        passed: list[Sequence] = []
+        while not preempted and self.waiting and budget > 0:
+            seq = self.waiting.popleft()
+            if chunking and seq.num_tokens > budget:
+                passed.append(seq)
+                continue
+            need = 1 + (seq.request.num_pending_forks if seq.index == 0 else 0)  # its forks run beside it
+            if slots + need > self.max_num_seqs:
+                self.waiting.appendleft(seq)
+                break
             hits = self.block_manager.match_prefix(seq)
             num_cached = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = self._chunk(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, hits):
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
             if seq.num_computed_tokens == 0 and seq.num_tokens == seq.num_prompt_tokens:
                 seq.num_cached_prompt_tokens = num_cached
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            slots += need
             budget -= num_new
+            chunking = chunking or num_cached + num_new < seq.num_tokens
             self._schedule(out, seq, num_new)
+        self.waiting.extendleft(reversed(passed))
         out.block_copies = self.block_manager.take_copies()
         return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """A prefill's tokens this step: all it has left if they fit the budget, else a chunk, which
+        leaves half the budget when a waiting prompt fits in that half."""
+        if remaining <= budget or budget < 2:
+            return min(remaining, budget)
+        half = budget // 2
+        return budget - half if any(s.num_tokens <= half for s in self.waiting) else budget
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running yet: those queued, and the samples a queued request will fork."""
+        return len(self.waiting) + sum(s.request.num_pending_forks for s in self.waiting if s.index == 0)
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens

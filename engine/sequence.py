@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.grammar_worker import Grammar
+    from engine.sampler import TokenLogprobs
     from engine.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -80,6 +81,10 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # With params.prompt_logprobs: the prompt positions whose logprobs are launched (a recompute
+    # after preemption skips them), and those collected, for positions 1, 2, ...
+    prompt_logprobs_launched: int = 1
+    prompt_logprobs: list["TokenLogprobs"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

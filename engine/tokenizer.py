@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,12 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError, ModelLoadError
+
+# Private-use characters wrapped around each control token spelled in a message or tool, so that the
+# rendered chat tells the template's own control tokens from a client's (transformers' markers, too).
+# Not transformers' sanitize_control_tokens: it leaves dict keys unmarked, and a tool call's argument
+# names are the client's text that templates render with tojson.
+MARK_START, MARK_END = "\U000f0000", "\U000f0001"
 
 
 @dataclass
@@ -26,6 +33,17 @@ class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]) -> None:
         self.hf = hf
         self.eos_token_ids = eos_token_ids
+        # Control tokens, as transformers' sanitize_control_tokens picks them: the special tokens and the
+        # added ones the chat template writes, not whitespace (templates hold it as text). Spelled in a
+        # message, each is text, as OpenAI encodes it. Longest first: a token wins over those it holds.
+        template = self.chat_template
+        controls = sorted((t.content for t in hf.added_tokens_decoder.values()
+                           if (t.special or t.content in template) and not t.content.isspace()), key=len, reverse=True)
+        self._controls = re.compile("|".join(map(re.escape, controls)) or "(?!)")
+        # A marked control token (its spelling captured), or a lone marker that a template split off.
+        self._marked = re.compile(f"{MARK_START}({self._controls.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
+        self._newline_ids = self.encode("\n", add_special_tokens=False)
+        self._spellings: dict[str, list[int]] = {}  # a control token's spelling -> its ids as text
 
     @staticmethod
     def present(path: Path) -> bool:
@@ -72,12 +90,66 @@ class Tokenizer:
             raise InvalidRequestError("continue_final_message needs a final assistant message and "
                                       "add_generation_prompt false.", param="continue_final_message")
         try:
-            text = self.hf.apply_chat_template(chat.messages, tools=chat.tools, tokenize=False,
+            text = self.hf.apply_chat_template(self._mark(chat.messages), tools=self._mark(chat.tools), tokenize=False,
                                                add_generation_prompt=chat.add_generation_prompt,
                                                continue_final_message=chat.continue_final_message)
         except Exception as e:  # a template may reject a message layout (e.g. roles out of order)
             raise InvalidRequestError(f"The chat template rejected these messages: {e}", param="messages") from e
-        return list(self.hf(text, add_special_tokens=False).input_ids)
+        return self._encode_marked(text)
+
+    def _mark(self, value: Any) -> Any:
+        """Messages or tools with each control token they spell wrapped in markers; dict keys too (a
+        call's argument names and a schema's property names reach the template as much as values)."""
+        if isinstance(value, str):
+            # Markers a client sent are dropped, so none can wrap (and so disarm) the template's own tokens.
+            value = value.replace(MARK_START, "").replace(MARK_END, "")
+            return self._controls.sub(lambda m: MARK_START + m[0] + MARK_END, value)
+        if isinstance(value, dict):
+            return {self._mark(k): self._mark(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark(v) for v in value]
+        return value
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """A chat rendered from marked inputs: the template's control tokens as tokens, the marked ones
+        as plain text. A lone marker is dropped but still splits the text, so the text on either side
+        cannot join into a control token."""
+        pieces = self._marked.split(text)  # text, marked token (None: a lone marker), text, ...
+        ids = self.encode(pieces[0], add_special_tokens=False)
+        for i, piece in enumerate(pieces[1:], start=1):
+            if piece:
+                ids += self._spelled(piece) if i % 2 == 1 else self._encode_piece(piece, as_text=False)
+        return ids
+
+    def _spelled(self, token: str) -> list[int]:
+        """A control token's spelling as plain text (kept: there are only so many)."""
+        ids = self._spellings.get(token)
+        if ids is None:
+            ids = self._encode_piece(token, as_text=True)
+            if self.hf.convert_tokens_to_ids(token) in ids:
+                raise InvalidRequestError(f"The messages spell the control token {token!r}, which this tokenizer "
+                                          "cannot encode as text.", param="messages")
+            self._spellings[token] = ids
+        return ids
+
+    def _encode_piece(self, piece: str, as_text: bool) -> list[int]:
+        """A piece from inside a chat (as_text: with no added token matched). Encoded after a newline,
+        which is then removed: SentencePiece adds a space at the start of a string, not inside one."""
+        ids = self._encode_text("\n" + piece) if as_text else self.encode("\n" + piece, add_special_tokens=False)
+        n = len(self._newline_ids)
+        if ids[:n] == self._newline_ids:
+            return ids[n:]
+        return self._encode_text(piece) if as_text else self.encode(piece, add_special_tokens=False)
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Text as plain text: the tokenizer's pipeline without its added tokens, special or not."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:  # a slow tokenizer: split_special_tokens skips the special ones
+            return list(self.hf(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        splits = [s for s, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+        return [token.id for split in splits for token in backend.model.tokenize(split)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -13,6 +13,8 @@ The Aggregated row mixes all of these; read the typed rows.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import random
 import time
 from typing import Any
@@ -23,6 +25,8 @@ from locust import HttpUser, LoadTestShape, between, events, task
 # questions, some pasted paragraphs, a few long documents to summarise.
 PROMPT_WORDS = {"short": 12, "medium": 150, "long": 1200}
 DEFAULT_MIX = "short:50,medium:35,long:15"
+
+log = logging.getLogger("loadtest")
 
 _TOPICS = ["a paged KV cache", "continuous batching", "the water cycle", "a hash table", "inflation",
            "photosynthesis", "the printing press", "plate tectonics", "compound interest", "jazz"]
@@ -71,7 +75,9 @@ def add_options(parser: Any) -> None:
     parser.add_argument("--prompt-mix", default=DEFAULT_MIX, help="weights of the prompt sizes (short, medium, long)")
     parser.add_argument("--api-key", default="", env_var="LOCUST_API_KEY", help="sent as a Bearer token")
     parser.add_argument("--step-users", type=int, default=0, help="users added per step (default: a quarter of -u)")
-    parser.add_argument("--step-time", type=float, default=30.0, help="seconds per step of the ramp")
+    parser.add_argument("--step-time", type=float, default=30.0,
+                        help="seconds per step of the ramp, at most (shorter where -t needs it: -u is reached by "
+                             "half of the run)")
 
 
 def report(environment: Any, kind: str, name: str, seconds: float) -> None:
@@ -165,16 +171,33 @@ class CompletionUser(OpenAIUser):
 
 class StepRamp(LoadTestShape):
     """Adds --step-users users every --step-time seconds up to -u users, then holds them until -t
-    (or until stopped): how latency degrades as load grows, a step at a time."""
+    (or until stopped): how latency degrades as load grows, a step at a time. With -t the steps are
+    shortened where needed so that -u users run for the second half of the run at least."""
 
     use_common_options = True  # -u, -r and -t set the ramp's top, spawn rate and length
+    _plan: tuple[int, int, float] | None = None
+
+    def plan(self) -> tuple[int, int, float]:
+        """(top users, users added per step, seconds per step); says what it will do, once."""
+        if self._plan is None:
+            options = self.runner.environment.parsed_options
+            top = options.num_users or 1
+            step = min(top, options.step_users or max(1, top // 4))
+            steps = math.ceil(top / step)
+            step_time = options.step_time
+            if options.run_time and steps > 1:
+                step_time = min(step_time, options.run_time / 2 / (steps - 1))
+            self._plan = top, step, step_time
+            length = f" of the {options.run_time} s run" if options.run_time else ""
+            log.info("step ramp: %d more users every %.1f s up to %d users, all %d from %.1f s%s",
+                     step, step_time, top, top, (steps - 1) * step_time, length)
+        return self._plan
 
     def tick(self) -> tuple[int, float] | None:
         options = self.runner.environment.parsed_options
         run_time = self.get_run_time()
         if options.run_time and run_time >= options.run_time:
             return None
-        top = options.num_users or 1
-        step = options.step_users or max(1, top // 4)
-        users = min(top, step * (1 + int(run_time // options.step_time)))
+        top, step, step_time = self.plan()
+        users = min(top, step * (1 + int(run_time // step_time)))
         return users, options.spawn_rate or float(step)

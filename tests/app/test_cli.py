@@ -35,8 +35,24 @@ def test_bad_flags_give_a_clear_error(default_model_dir, capsys) -> None:
     assert "top_p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
-    with pytest.raises(SystemExit, match="hermes, mistral, llama3, generic"):  # before any model loads
-        main(["serve", "--tool-call-parser", "nope"])
+
+
+def test_serve_refuses_bad_flags_before_granian_starts(default_model_dir, monkeypatch, capsys) -> None:
+    """A bad flag ends `minillm serve` at once, with status 2 and the line `minillm generate` prints,
+    rather than a server that listens but never gets ready."""
+    import granian
+
+    monkeypatch.setattr(granian, "Granian", lambda *args, **kwargs: pytest.fail("Granian started"))
+    for flags in (["--model", "/no/such/model"], ["--model", str(default_model_dir), "--kv-cache-memory", "lots"]):
+        assert main(["generate", *flags, "--max-tokens", "1", "hi"]) == 2
+        expected = capsys.readouterr().err
+        assert main(["serve", *flags]) == 2
+        assert capsys.readouterr().err == expected and expected.startswith("minillm: ") and expected.count("\n") == 1
+    for flags, says in ((["--tool-call-parser", "nope"], "hermes, mistral, llama3, generic"),
+                        (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+                        (["--device", "gpu"], "--device must be"), (["--log-level", "loud"], "--log-level must be")):
+        assert main(["serve", "--model", str(default_model_dir), *flags]) == 2
+        assert says in capsys.readouterr().err
 
 
 def test_quantize_writes_a_model_that_generates(default_model_dir, tmp_path, capsys) -> None:

@@ -252,7 +252,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(server: Server) -> None
         with c.stream("POST", "/v1/chat/completions", json={"messages": CHAT, "stream": True, **LONG}) as r:
             assert r.status_code == 200
             data = []
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # held: httpx closes the connection when a dropped iterator is collected
+            for line in lines:
                 if line.startswith("data: "):
                     data.append(json.loads(line[len("data: "):]))
                 if len(data) == 3:
@@ -399,6 +400,11 @@ def test_http_level_errors_have_openai_bodies(client: httpx.Client) -> None:
     check_error(client.post("/v1/chat/completions", content=b'{"messages": [',
                             headers={"content-type": "application/json"}), 400)
     check_error(client.post("/v1/chat/completions", json=[{"messages": CHAT}]), 400)
+    # JSON routes read JSON: a body that says it is something else is refused, one that says nothing is read.
+    r = client.post("/v1/chat/completions", content=json.dumps({"messages": CHAT, "max_tokens": 1}),
+                    headers={"content-type": "text/plain"})
+    check_error(r, 415, code="unsupported_media_type")
+    assert client.post("/v1/chat/completions", content=json.dumps({"messages": CHAT, "max_tokens": 1})).status_code == 200
     check_error(client.post("/v1/chat/completions", json={"messages": CHAT, "stream_options": {"include_usage": True}}),
                 400, param="stream_options")
     check_error(client.post("/v1/completions", json={"prompt": "Hi", "stream": False,

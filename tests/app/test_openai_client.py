@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -132,3 +133,123 @@ def test_async_client_streams_concurrently(async_client) -> None:
 
     for full, streamed in asyncio.run(main()):
         assert full == streamed and full
+
+
+# ---- issue 28, item 10: what vLLM's own API tests found ----------------------------------------------
+
+
+def test_completions_top_logprobs_always_hold_the_sampled_token(client) -> None:
+    none = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0, logprobs=0)
+    lp = none.choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]  # was [{}] each
+    sampled = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=8, temperature=1.5, seed=1,
+                                        logprobs=1, stream=True)
+    for chunk in sampled:
+        lp = chunk.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == logprob and len(top) in (1, 2)
+
+
+def test_completions_default_to_16_tokens_also_when_max_tokens_is_null(client) -> None:
+    for body in ({}, {"max_tokens": None}):
+        out = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", temperature=0,
+                                        extra_body={"ignore_eos": True, **body})
+        assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+
+
+def test_an_empty_model_name_is_the_served_model(client, server) -> None:
+    assert client.chat.completions.create(model="", messages=CHAT, max_tokens=1).model == MODEL_NAME
+    assert client.completions.create(model="", prompt="Hi", max_tokens=1).model == MODEL_NAME
+    assert httpx.post(server.url + "/tokenize", json={"model": "", "prompt": "Hi"}).status_code == 200
+
+
+def test_seed_takes_openais_signed_64_bit_range(client) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, seed=seed)
+    for seed in (2**63, 2**64 - 1, 2**64, -(2**63) - 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, seed=seed)
+        assert e.value.body["param"] == "seed" and "-9223372036854775808, 9223372036854775807" in e.value.body["message"]
+
+
+ECHO_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+def check_legacy_logprobs(lp, text: str, num_top: int) -> None:
+    """text_offset indexes each token in the choice's text; every top_logprobs holds its token."""
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert text[offset: offset + len(token)] == token
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == logprob and max(num_top, 1) <= len(top) <= num_top + 1
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf_default) -> None:
+    import torch
+
+    model, tokenizer = hf_default
+    ids = tokenizer(ECHO_PROMPT)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    kwargs = dict(model=MODEL_NAME, prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=3, temperature=0)
+    out = client.completions.create(**kwargs)
+    [choice] = out.choices
+    lp = choice.logprobs
+    assert choice.text.startswith(ECHO_PROMPT) and len(lp.tokens) == len(ids) + out.usage.completion_tokens
+    assert "".join(lp.tokens[: len(ids)]) == ECHO_PROMPT and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    expected = [ref[k - 1, ids[k]].item() for k in range(1, len(ids))]
+    assert lp.token_logprobs[1: len(ids)] == pytest.approx(expected, abs=1e-3)
+    for k in range(1, len(ids)):
+        top2 = [tokenizer.decode([t]) for t in ref[k - 1].topk(2).indices.tolist()]
+        assert set(top2) <= set(lp.top_logprobs[k])
+    check_legacy_logprobs(lp, choice.text, 2)
+
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].text.startswith(ECHO_PROMPT)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = {key: [v for c in chunks for v in getattr(c.choices[0].logprobs, key)]
+                for key in ("tokens", "text_offset", "token_logprobs", "top_logprobs")}
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"][0] is None and streamed["top_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert [sorted(top) for top in streamed["top_logprobs"][1:]] == [sorted(top) for top in lp.top_logprobs[1:]]
+    assert len(chunks[0].choices[0].logprobs.tokens) > len(ids)  # the prompt's part came first, whole
+
+
+def test_echo_with_logprobs_per_prompt_and_choice(client) -> None:
+    prompts = [[504, 3575, 314], [19556, 28, 957, 1345]]  # token ids: echoed as their decoded text
+    kwargs = dict(model=MODEL_NAME, prompt=prompts, echo=True, logprobs=0, n=2, max_tokens=2, temperature=1.0, seed=5)
+    out = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    prompt_logprobs = []
+    for c in out.choices:
+        p = prompts[c.index // 2]
+        lp = c.logprobs
+        assert c.text.startswith("".join(lp.tokens[: len(p)])) and lp.token_logprobs[0] is None
+        assert all(v < 0 for v in lp.token_logprobs[1: len(p)])
+        check_legacy_logprobs(lp, c.text, 0)
+        prompt_logprobs.append(lp.token_logprobs[: len(p)])
+        first = next(ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == c.index)
+        assert first.logprobs.token_logprobs[: len(p)] == pytest.approx(lp.token_logprobs[: len(p)], abs=1e-4)
+        assert first.text.startswith("".join(lp.tokens[: len(p)]))
+    assert prompt_logprobs[0] == prompt_logprobs[1] and prompt_logprobs[2] == prompt_logprobs[3]  # each choice
+    assert len(prompt_logprobs[0]) == 3 and len(prompt_logprobs[2]) == 4  # each prompt its own
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_scored(client) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt=ECHO_PROMPT, echo=True, logprobs=1, max_tokens=0)
+    out = client.completions.create(**kwargs)
+    [choice] = out.choices
+    assert choice.text == ECHO_PROMPT and choice.finish_reason == "length"
+    assert "".join(choice.logprobs.tokens) == ECHO_PROMPT and len(choice.logprobs.tokens) == out.usage.prompt_tokens
+    assert out.usage.completion_tokens == 0 and out.usage.total_tokens == out.usage.prompt_tokens
+    check_legacy_logprobs(choice.logprobs, choice.text, 1)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == ECHO_PROMPT and chunks[-1].usage.completion_tokens == 0
+    assert [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+    with pytest.raises(openai.BadRequestError) as e:  # without echo there is nothing to return
+        client.completions.create(model=MODEL_NAME, prompt=ECHO_PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"

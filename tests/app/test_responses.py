@@ -140,7 +140,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(server: Server) -> None
         with c.stream("POST", "/v1/responses", json=body) as r:
             assert r.status_code == 200
             deltas = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # held: httpx closes the connection when a dropped iterator is collected
+            for line in lines:
                 deltas += line == "event: response.output_text.delta"
                 if deltas == 3:
                     break

@@ -1,11 +1,13 @@
-"""SIGTERM: /ready turns 503, new connections are refused, in-flight streams finish, then exit 0;
-streams still running after the grace period are ended with finish_reason "abort"."""
+"""SIGTERM: /ready turns 503 while in-flight streams finish (the listener stays open until then), then
+connections are refused and the server exits 0; streams still running after the grace period are ended
+with finish_reason "abort". tests/chaos/test_lifecycle.py has the second SIGTERM and SIGKILL."""
 from __future__ import annotations
 
 import threading
 import time
 
 import httpx
+import pytest
 
 from app.json import loads
 from tests.app.conftest import start_server
@@ -29,17 +31,21 @@ def run_until_sigterm(server, max_tokens: int) -> tuple[list[dict], float]:
     assert first.wait(30)
     sent = time.monotonic()
     server.process.terminate()
-    deadline = time.monotonic() + 5
-    refused = False
-    while time.monotonic() < deadline and not refused:  # new connections stop being accepted
+    probes: list[int | None] = []  # /ready from the signal to the exit: 503 while draining, then refused
+    deadline = time.monotonic() + 60
+    while server.process.poll() is None and time.monotonic() < deadline:
         try:
-            httpx.get(server.url + "/health", timeout=0.5)
+            status = httpx.get(server.url + "/ready", timeout=2).status_code
         except httpx.HTTPError:
-            refused = True
+            status = None
+        if probes or status != 200:  # 200 until the worker has the signal
+            probes.append(status)
         time.sleep(0.05)
-    assert refused
     client.join(60)
     assert server.process.wait(60) == 0
+    assert 200 not in probes  # never ready again once draining
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)
     return events, time.monotonic() - sent
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError
+from engine.errors import ContextLengthError, EngineDeadError, EngineFailedError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -83,21 +84,124 @@ def test_bad_input_raises_before_the_first_output(engine: AsyncEngine) -> None:
     assert engine.is_alive
 
 
-def test_a_dead_loop_fails_waiters_and_new_requests(engine: AsyncEngine, llm: LLMEngine) -> None:
-    def broken_step():
-        raise RuntimeError("device lost")
+async def drain(outputs) -> list:
+    return [out async for out in outputs]
 
-    llm.step = broken_step
+
+def test_a_forward_error_fails_every_request_in_flight(engine: AsyncEngine, llm: LLMEngine) -> None:
+    """As vLLM's test_forward_error: a forward that raises fails each request in flight with an
+    internal error naming it, the engine is dead, and what comes after is refused as such."""
+    real, calls = llm.runner.forward, []
+
+    def forward(*args):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("device lost")
+        return real(*args)
+
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
 
     async def run() -> None:
-        async for _ in engine.generate([5, 6], SamplingParams(max_tokens=4)):
-            pass
+        late = engine.prepare([9, 9], params)  # prepared before the fault, queued after it
+        llm.runner.forward = forward
+        errors = await asyncio.gather(*(drain(engine.generate([5 + i, 6], params, f"req-{i}")) for i in range(3)),
+                                      return_exceptions=True)
+        for i, e in enumerate(errors):
+            assert isinstance(e, EngineFailedError) and e.code == "engine_failed" and f"request req-{i} " in e.message
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            engine.prepare([5, 6], params)
+        with pytest.raises(EngineDeadError):  # not left waiting for a loop that is gone
+            await asyncio.wait_for(drain(engine.stream(late)), 30)
 
-    with pytest.raises(EngineDeadError):
-        asyncio.run(run())
-    assert not engine.is_alive
-    with pytest.raises(EngineDeadError):
-        asyncio.run(run())
+    asyncio.run(run())
+
+
+def test_finished_but_unread_streams_do_not_count_as_waiting(engine: AsyncEngine) -> None:
+    async def run() -> None:
+        unread = [engine.stream(engine.prepare([5, i], SamplingParams(max_tokens=8, ignore_eos=True)))
+                  for i in range(3)]
+        assert engine.num_waiting >= 1  # counted from the moment they are queued
+        for outputs in unread:
+            await anext(outputs)  # the clients read their first token, then stop reading
+        for _ in range(1000):  # the engine finishes them anyway
+            stats = engine.stats()
+            if stats.generation_tokens == 24 and stats.running == stats.kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == 0
+        for outputs in unread:
+            assert (await drain(outputs))[-1].finished
+
+    asyncio.run(run())
+
+
+def test_admission_counts_sequences_and_reserves_at_once(llm: LLMEngine) -> None:
+    engine = AsyncEngine(llm)  # not started: what is queued stays queued
+
+    async def run() -> None:
+        assert engine.reserve(3, 4) and not engine.reserve(2, 4)  # the second sees the first at once
+        outputs = engine.stream(llm.make_request([5, 6], SamplingParams(n=2)))
+        engine.release(3)  # the call's reservation, now that its request is queued
+        assert engine.num_waiting == 2  # a request of n=2 waits as two sequences
+        assert engine.reserve(2, 4) and not engine.reserve(1, 4)
+        engine.release(2)
+        del outputs
+
+    asyncio.run(run())
+    llm.add_request([5, 6], SamplingParams(n=3))
+    assert llm.stats().waiting == 3  # its samples to fork wait with it
+
+
+def test_a_stream_dropped_unread_is_aborted(engine: AsyncEngine) -> None:
+    async def run() -> None:
+        outputs = engine.stream(engine.prepare([5, 6], SamplingParams(max_tokens=1000, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        del outputs  # the route failed before reading it
+        for _ in range(1000):
+            stats = engine.stats()
+            if engine.num_waiting == stats.running == stats.kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == engine.stats().running == 0
+        assert engine.stats().generation_tokens < 1000  # aborted, not run to its end
+        assert len(await drain(engine.generate([5, 6], SamplingParams(max_tokens=2)))) >= 1
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_gives_up_frees_the_tokenizer_thread(engine: AsyncEngine, llm: LLMEngine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    started, release, made = threading.Event(), threading.Event(), []
+    real = llm.make_request
+
+    def make_request(prompt, params, request_id=None):
+        made.append(prompt[0])
+        if prompt[0] == 100:  # a long tokenization, whose client gives up meanwhile
+            started.set()
+            release.wait(30)
+        return real(prompt, params, request_id)
+
+    monkeypatch.setattr(llm, "make_request", make_request)
+    params = SamplingParams(max_tokens=1)
+
+    async def run() -> None:
+        busy = asyncio.ensure_future(engine.prepare_all([([100, 1], params, None), ([101, 1], params, None)]))
+        await asyncio.to_thread(started.wait, 30)
+        queued = asyncio.ensure_future(engine.prepare_all([([200, 1], params, None)]))
+        for _ in range(3):
+            await asyncio.sleep(0)  # queued is on the tokenizer thread's queue now
+        busy.cancel()
+        queued.cancel()
+        await asyncio.gather(busy, queued, return_exceptions=True)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the cancellations reach the tokenizer thread's queue
+        release.set()
+        [after] = await engine.prepare_all([([300, 1], params, None)])
+        assert after.prompt_token_ids == [300, 1]
+
+    asyncio.run(run())
+    assert made == [100, 300]  # 101: the started call stopped between prompts; 200 never started
 
 
 def test_a_reader_that_falls_behind_gets_merged_outputs(engine: AsyncEngine, llm: LLMEngine) -> None:

@@ -403,6 +403,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt=prompts, max_tokens=st.integers(1, MAX_TOKENS), n=st.integers(1, 3), seed=st.integers(0, 2),
           stops=st.booleans())
     def add(self, prompt: list[int], max_tokens: int, n: int, seed: int, stops: bool) -> None:
+        n = min(n, self.scheduler.max_num_seqs)  # the engine refuses more samples than run at once (a 400)
         self.engine.add(prompt, max_tokens, n, seed, eos=[2] if stops else [])
 
     @rule()
@@ -456,9 +457,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert scheduler.num_preemptions - preemptions == len(victims)
         if victims:  # they wait at the front, oldest first, and nothing else is admitted
             assert list(scheduler.waiting) == victims + waiting
-        else:  # admitted first come first served
+        else:  # admitted first come first served, but a prompt longer than the step may be passed...
             admitted = [s for s in waiting if s.status == SequenceStatus.RUNNING]
-            assert waiting[: len(admitted)] == admitted and list(scheduler.waiting) == waiting[len(admitted):]
+            assert list(scheduler.waiting) == [s for s in waiting if s not in admitted]
+            passed = [s for s in waiting[: waiting.index(admitted[-1])] if s not in admitted] if admitted else []
+            chunking = any(s.num_new_tokens and s.seq.num_computed_tokens + s.num_new_tokens < s.seq.num_tokens
+                           for s in out.scheduled)
+            assert not passed or chunking  # ...only while another prompt is prefilled in chunks
         # Decodes are served before prefill chunks: all of them, while the budget holds them.
         if len(decodes) <= budget:
             scheduled = {s.seq: s.num_new_tokens for s in out.scheduled}
@@ -537,3 +542,25 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerStateful = SchedulerMachine.TestCase
 TestSchedulerStateful.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def salted_seq(token_ids: list[int], cache_salt: str | None) -> Sequence:
+    request = Request("r", list(token_ids), SamplingParams(cache_salt=cache_salt), max_tokens=16,
+                      eos_token_ids=frozenset())
+    return Sequence(request, 0, list(token_ids), seed=0)
+
+
+def test_the_same_prompt_under_two_salts_shares_no_block() -> None:
+    bm = BlockManager(32, BS)
+    prompt = list(range(13))  # 3 full blocks before the last token
+    seqs = {salt: salted_seq(prompt, salt) for salt in (None, "tenant-a", "tenant-b")}
+    for seq in seqs.values():
+        assert admit(bm, seq) == []  # each salt misses what the others cached
+    blocks = [set(seq.block_table) for seq in seqs.values()]
+    assert blocks[0].isdisjoint(blocks[1]) and blocks[0].isdisjoint(blocks[2]) and blocks[1].isdisjoint(blocks[2])
+    hashes = [set(seq.block_hashes) for seq in seqs.values()]
+    assert all(len(h) == 3 for h in hashes) and len(hashes[0] | hashes[1] | hashes[2]) == 9
+    assert seqs[None].block_hashes == chain_hashes(prompt, 3)  # unsalted chains are as before
+    # The same salt still shares: its whole cached prefix is a hit.
+    again = salted_seq(prompt, "tenant-a")
+    assert admit(bm, again) == seqs["tenant-a"].block_table[:3]

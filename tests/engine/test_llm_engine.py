@@ -220,9 +220,14 @@ def test_a_random_model_takes_a_tokenizer_from_elsewhere(default_model_dir) -> N
                                     kv_cache_memory="64MiB"))
     [r] = engine.generate([CHATS[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(r.token_ids) == 5 and r.text == engine.tokenizer.decode(r.token_ids)
-    with pytest.raises(ModelLoadError, match="more than the model's vocabulary"):
-        LLMEngine(EngineConfig(model="random:tiny-llama3", tokenizer=str(default_model_dir), device="cpu",
-                               kv_cache_memory="16MiB"))
+    small = LLMEngine(EngineConfig(model="random:tiny-llama3", tokenizer=str(default_model_dir), device="cpu",
+                                   kv_cache_memory="16MiB"))  # a tokenizer larger than the embedding serves...
+    assert small.sample_vocab_size == small.model_config.vocab_size == 512
+    with pytest.raises(InvalidRequestError, match=r"\[0, 512\)"):  # ...but refuses prompts past the embedding
+        small.make_request("The capital of France", SamplingParams(max_tokens=1))
+    [r] = small.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+    assert len(r.token_ids) == 8 and max(r.token_ids) < 512
+    small.close()
 
 
 def test_ids_past_the_tokenizer_are_never_sampled(default_model_dir, tiny_model_dir) -> None:
@@ -235,3 +240,41 @@ def test_ids_past_the_tokenizer_are_never_sampled(default_model_dir, tiny_model_
     assert max(r.token_ids) < 1000 and all(t < 1000 for lp in r.samples[0].logprobs for t, _ in lp.top)
     with pytest.raises(InvalidRequestError):
         engine.add_request([5], SamplingParams(logit_bias={1500: 1.0}))
+
+
+def test_abort_during_the_final_step(tiny_model_dir) -> None:
+    """As vLLM's test_abort_final_step: a request aborted while the step sampling its last token is
+    in flight finishes as abort, its blocks are back at once, and that last token never comes out."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("tiny-llama3")[0]), kv_cache_memory="8MiB"))
+    request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == []  # the prefill samples the first token
+    [first] = engine.step()  # the last token's step is launched; the first token is read
+    assert [(len(d.token_ids), d.finish_reason) for d in first.deltas] == [(1, None)]
+    aborted = engine.abort(request.request_id)
+    assert aborted.finished and [d.finish_reason for d in aborted.deltas] == ["abort"]
+    assert aborted.usage.completion_tokens == 1
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.step() == []  # the step in flight lands: its token for the aborted request is dropped
+    assert request.sequences[0].finish_reason == "abort" and engine.block_manager.num_used_blocks == 0
+
+
+def test_limits_are_checked_before_tokenizing(default_model_dir, monkeypatch) -> None:
+    engine = make_engine(default_model_dir, max_model_len=256, max_num_seqs=4)
+    # No token covers more characters than the longest vocabulary entry (81 for SmolLM2: a newline and 80 spaces).
+    assert engine.max_prompt_chars == 256 * max(map(len, engine.tokenizer.hf.get_vocab()))
+    tokenized = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a: tokenized.append(text) or [1] * 300)
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", lambda chat: tokenized.append(chat) or [1] * 300)
+    huge = "x" * (engine.max_prompt_chars + 1)
+    for prompt, param in ((huge, "prompt"), ([{"role": "user", "content": [{"type": "text", "text": huge}]}], "messages")):
+        with pytest.raises(ContextLengthError) as e:
+            engine.make_request(prompt, SamplingParams())
+        assert e.value.param == param and "characters" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        engine.make_request("hi", SamplingParams(n=5))  # more samples than run side by side
+    assert e.value.param == "n" and "--max-num-seqs" in e.value.message
+    assert tokenized == []
+    # An assistant turn is not counted (a template may drop parts of it): the token count decides.
+    with pytest.raises(ContextLengthError):
+        engine.make_request([{"role": "user", "content": "hi"}, {"role": "assistant", "content": huge}], SamplingParams())
+    assert len(tokenized) == 1

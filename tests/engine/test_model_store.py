@@ -99,13 +99,35 @@ def test_wrong_checksum_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert [p.name for p in tmp_path.iterdir()] == ["default.lock"]
 
 
-def test_incomplete_directory_is_not_taken_or_deleted(tmp_path: Path) -> None:
+def test_a_directory_we_did_not_write_is_not_taken_or_deleted(tmp_path: Path) -> None:
     target = tmp_path / "default"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    with pytest.raises(ModelLoadError, match=str(target)):
+    (target / "notes.txt").write_text("mine")  # no conversion writes this: someone else's directory
+    with pytest.raises(ModelLoadError, match=f"{target}.*notes.txt"):
         ensure_default_model(target, progress=False)
-    assert (target / "config.json").exists()
+    assert (target / "config.json").exists() and (target / "notes.txt").exists()
+
+
+def test_a_conversion_cut_short_is_removed_and_done_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "default"
+    target.mkdir()  # half-written, without the marker: a copy or a conversion that was cut off
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"\0" * 64)
+    orphan = tmp_path / ".default.tmp-killed"  # a converter killed mid-write
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(b"\0" * 64)
+    seen: list[list[str]] = []
+
+    def convert(into: Path, progress: bool) -> None:  # stands in for the 30 s dequantization
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        into.mkdir()
+        (into / COMPLETE_MARKER).write_text("{}")
+
+    monkeypatch.setattr(model_store, "_convert", convert)
+    assert ensure_default_model(target, progress=False) == target
+    assert seen == [["default.lock"]]  # both leftovers were gone before converting again
+    assert [p.name for p in target.iterdir()] == [COMPLETE_MARKER]
 
 
 def test_waits_for_a_concurrent_conversion(tmp_path: Path) -> None:

@@ -394,3 +394,46 @@ def test_samples_fork_from_the_prompt_and_copy_its_last_block_on_write() -> None
     assert {tuple(s.block_table[:2]) for s in request.sequences} == {tuple(parent.block_table[:2])}
     engine.run_all()
     assert engine.block_manager.num_used_blocks == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Limits and fairness under a flood
+
+
+def test_forks_count_against_max_num_seqs() -> None:
+    engine = Engine(max_num_seqs=4)
+    a = engine.add(tokens(3), max_tokens=3, n=3, request_id="a")
+    engine.add(tokens(3, 10), max_tokens=3, n=2, request_id="b")
+    engine.add(tokens(3, 20), max_tokens=3, request_id="c")
+    # a's prompt holds a place for each of its 3 samples: b (2) must wait, and c may not pass it.
+    assert plan(engine.step()) == [("a", 3), ("a.1", 0), ("a.2", 0)]
+    assert engine.scheduler.num_waiting == 3  # b and its fork to come, and c
+    for out in engine.run_all():
+        assert len(engine.scheduler.running) <= 4 and len(out.scheduled) <= 4
+    assert engine.finished == ["a", "b", "c"] and len(a.sequences) == 3
+
+
+def test_a_short_prompt_passes_long_ones_while_one_prefills_in_chunks() -> None:
+    engine = Engine(num_blocks=64, max_num_batched_tokens=8)
+    for name_ in ("l0", "l1", "l2"):  # one call's many long prompts, then a short chat
+        engine.add(tokens(40, 100 * len(engine.requests)), max_tokens=1, request_id=name_)
+    engine.add(tokens(3, 900), max_tokens=2, request_id="short")
+    # l0 takes half the budget and leaves the rest to the short prompt: l1 and l2 wait for l0's prefill.
+    assert plan(engine.step()) == [("l0", 4), ("short", 3)]
+    assert [name(s) for s in engine.scheduler.waiting] == ["l1", "l2"]
+    assert plan(engine.step()) == [("l0", 7), ("short", 1)]  # nothing short waits: l0 takes what decodes leave
+    engine.run_all()
+    assert engine.finished[0] == "short" and engine.finished[1:] == ["l0", "l1", "l2"]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_shorts_never_stall_the_prompt_being_chunked() -> None:
+    engine = Engine(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=8)
+    long = engine.add(tokens(40), max_tokens=1, request_id="long").sequences[0]
+    chunks = []
+    while not long.is_finished:
+        engine.add(tokens(4, 500 + len(chunks) * 4), max_tokens=1)  # a short prompt arrives every step
+        out = engine.step()
+        chunks += [s.num_new_tokens for s in out.scheduled if s.seq is long]
+        assert len(chunks) < 20, "the long prompt is starved"
+    assert chunks == [4] * 8 + [8]  # half of every step, and all of the one where it ends
