@@ -13,17 +13,23 @@ over the rows. The worker fills the rows into a bitmask in shared memory and rep
 sequences whose matcher refused its token and the seconds it spent.
 The tokenizer thread also sends each new request's spec, so the worker compiles it while the
 engine compiles it to validate it.
+
+A large batch's fills take longer than the engine thread's work around them, so there it is split
+between processes: each owns the matchers whose key it is given (key % processes), takes every
+message and does its own part of it, and fills its own rows of the one bitmask.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from array import array
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -36,6 +42,13 @@ from engine.structured_output import GrammarCompiler
 log = logging.getLogger("minillm.engine")
 
 READY_TIMEOUT_S = 120.0  # a spawned worker imports torch and xgrammar: seconds on a busy machine
+SPLIT_BATCH = 32  # an engine that batches this many sequences splits its fills in two, cores allowing
+
+
+def worker_processes(max_num_seqs: int) -> int:
+    """How many processes fill masks: two where a step may hold SPLIT_BATCH rows and the machine has
+    cores for the engine thread and both (a two-core CI runner gets one)."""
+    return 2 if max_num_seqs >= SPLIT_BATCH and (os.cpu_count() or 1) >= 4 else 1
 
 
 class GrammarWorkerError(RuntimeError):
@@ -67,12 +80,13 @@ class GrammarWorker:
     """The engine thread's end: hands out Grammars, sends each step's grammar work, takes its masks.
     The process starts at the first use (or `start`); `submit` returns at once and `masks` waits."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, cache_size: int = 256, processes: int = 1) -> None:
         self._words = (tokenizer_info.vocab_size + 31) // 32  # the masks cover the info's ids
         self._info_json = tokenizer_info.serialize_json()
         self._cache_size = cache_size
-        self._process: mp.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self.processes = processes
+        self._processes: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
         self._shm: SharedMemory | None = None
         self._bitmask: torch.Tensor | None = None  # [capacity rows, words] int32 over the shared memory
         self._new_shm = False
@@ -89,40 +103,43 @@ class GrammarWorker:
         self.mask_seconds = 0.0  # the worker's time feeding tokens and filling masks
 
     def start(self) -> None:
-        """Spawn the worker (CUDA forbids fork) and wait until it has loaded the tokenizer's vocabulary."""
-        if self._process is not None:
+        """Spawn the workers (CUDA forbids fork) and wait until they have loaded the tokenizer's vocabulary."""
+        if self._processes:
             return
         ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(theirs, self._info_json, self._cache_size),
-                                    name="minillm-grammar", daemon=True)
-        self._process.start()
-        theirs.close()
-        self._conn = ours
-        if not ours.poll(READY_TIMEOUT_S):
-            raise GrammarWorkerError("the grammar worker did not start")
-        self._receive()
+        for index in range(self.processes):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(theirs, self._info_json, self._cache_size, index, self.processes),
+                                  name=f"minillm-grammar-{index}", daemon=True)
+            process.start()
+            theirs.close()
+            self._processes.append(process)
+            self._conns.append(ours)
+        for conn in self._conns:
+            if not conn.poll(READY_TIMEOUT_S):
+                raise GrammarWorkerError("the grammar worker did not start")
+            self._receive(conn)
 
     def close(self) -> None:
-        if self._conn is not None:
+        for conn in self._conns:
             try:
-                self._conn.send(None)
+                conn.send(None)
             except OSError:
                 pass
-            self._conn.close()
-            self._conn = None
-        if self._process is not None:
-            self._process.join(5)
-            if self._process.is_alive():
-                self._process.kill()
-            self._process = None
+            conn.close()
+        self._conns = []
+        for process in self._processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+        self._processes = []
         if self._shm is not None:
             self._release_shm()
 
     def prepare(self, spec: StructuredOutput) -> None:
-        """Have the worker compile `spec` now, while the engine compiles it to validate it (any
-        thread; no reply: a spec that fails is left out of the worker's cache)."""
-        if self._conn is not None:
+        """Have the workers compile `spec` now, while the engine compiles it to validate it (any
+        thread; no reply: a spec that fails is left out of the workers' caches)."""
+        if self._conns:
             self._send(("compile", spec))
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
@@ -164,8 +181,11 @@ class GrammarWorker:
         """Wait for the submitted step's masks: the batch's bitmask (apply_token_mask reads it).
         Grammars that refused a token are marked ended."""
         batch, self._pending = self._pending, 0
-        refused, seconds = self._receive()
-        self.mask_seconds += seconds
+        refused = []
+        for conn in self._conns:
+            theirs, seconds = self._receive(conn)
+            refused += theirs
+            self.mask_seconds += seconds
         for key in refused:
             if (grammar := self._grammars.get(key)) is not None:
                 grammar.ended = True
@@ -175,15 +195,18 @@ class GrammarWorker:
         return bitmask.pin_memory() if torch.cuda.is_available() and not self._pinned else bitmask
 
     def _send(self, message: _Step | tuple[str, StructuredOutput]) -> None:
+        data = ForkingPickler.dumps(message)  # once, for every worker
         try:
             with self._send_lock:  # the tokenizer thread sends compiles, the engine thread steps
-                self._conn.send(message)
+                for conn in self._conns:
+                    conn.send_bytes(data)
         except OSError as e:
             raise GrammarWorkerError(f"the grammar worker is gone: {e}") from None
 
-    def _receive(self) -> object:
+    @staticmethod
+    def _receive(conn: Connection) -> object:
         try:
-            reply = self._conn.recv()
+            reply = conn.recv()
         except (EOFError, OSError) as e:
             raise GrammarWorkerError(f"the grammar worker is gone: {e!r}") from None
         if isinstance(reply, BaseException):
@@ -223,8 +246,9 @@ def _register(bitmask: torch.Tensor) -> bool:
     return True
 
 
-def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
-    """The worker process: one matcher per open sequence, a compiled grammar per spec (cached)."""
+def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, processes: int = 1) -> None:
+    """A worker process: one matcher per open sequence whose key is its own (key % processes ==
+    index), a compiled grammar per spec (cached); it fills its own rows and those with no grammar."""
     # One thread: torch's pool would wake every core for a fill of a few rows, then spin on them
     # beside the engine's thread.
     torch.set_num_threads(1)
@@ -268,6 +292,8 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
             for key in step.closes:
                 matchers.pop(key, None)
             for key, spec in step.opens:
+                if key % processes != index:
+                    continue
                 try:
                     matchers[key] = xgr.GrammarMatcher(compiler.compile(spec))
                 except InvalidRequestError:  # the engine compiled it first, so never expected: the sample ends
@@ -278,13 +304,14 @@ def _serve(conn: Connection, info_json: str, cache_size: int) -> None:
             # A matcher that took a stop token is done: its row (its sequence ends) allows every token.
             fills = [(k, r) for r, k in enumerate(keys)
                      if k >= 0 and (m := matchers.get(k)) is not None and not m.is_terminated()]
+            filled_rows = {r for _, r in fills}
+            free = [r for r, k in enumerate(keys) if r not in filled_rows and (k < 0 or k % processes == index)]
             if step.shm_name is not None:
                 if shm is not None:
                     shm.close()
                 shm = SharedMemory(name=step.shm_name)
                 bitmask = torch.frombuffer(shm.buf, dtype=torch.int32).view(-1, (info.vocab_size + 31) // 32)
             rows = bitmask[: len(keys)]
-            free = sorted(set(range(len(keys))).difference(r for _, r in fills))
             if free:  # rows without a grammar allow every token
                 rows[free] = -1
             if fills:

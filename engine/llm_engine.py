@@ -21,7 +21,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.grammar_worker import Grammar, GrammarWorker
+from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
 from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
@@ -97,7 +97,8 @@ class LLMEngine:
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
                              if self.tokenizer else None)
-            self.grammar_worker = GrammarWorker(self.grammars.info) if self.grammars else None
+            self.grammar_worker = (GrammarWorker(self.grammars.info, processes=worker_processes(config.max_num_seqs))
+                                   if self.grammars else None)
         except BaseException:
             self.close()
             raise

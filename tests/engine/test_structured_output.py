@@ -561,15 +561,17 @@ def test_masked_greedy_row_takes_the_best_allowed_token() -> None:
         assert Sampler()(logits, sampled, batch_mask(3, {1: allowed[0]}, vocab)).token_id_list[1] in (5, 40, 69)
 
 
-def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
-    """The grammar worker's masks (another process, shared memory) are what a matcher here fills,
-    row for row, after the same tokens; apply_token_mask reads them as xgrammar means them."""
+@pytest.mark.parametrize("processes", [1, 2])
+def test_worker_masks_match_xgrammar(engine: LLMEngine, processes: int) -> None:
+    """The grammar worker's masks (other processes, shared memory) are what a matcher here fills,
+    row for row, after the same tokens; apply_token_mask reads them as xgrammar means them. Split
+    in two, each process fills its own rows and leaves the other's."""
     spec = StructuredOutput.choice(["yes", "no"])
     vocab = engine.sample_vocab_size
     yes = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
-    worker = GrammarWorker(engine.grammars.info)
+    worker = GrammarWorker(engine.grammars.info, processes=processes)
     try:
-        grammars = [(1, worker.grammar(spec)), (2, worker.grammar(spec))]
+        grammars = [(1, worker.grammar(spec)), (2, worker.grammar(spec))]  # keys 0 and 1: one per process
         other = engine.tokenizer.encode("no", add_special_tokens=False)[0]
         worker.submit([-1, -1, grammars[1][1].key])  # only row 2 is filled: only it takes its token
         worker.masks()
@@ -600,14 +602,33 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine) -> None:
         worker.close()
 
 
+
+def test_fills_split_between_two_processes_give_the_same_outputs(engine: LLMEngine) -> None:
+    """A large batch's fills split by key between two worker processes: every request, constrained
+    or not, samples exactly what one process gives it (so no row is left to the wrong process)."""
+    names = list(KINDS)
+    params = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=60, structured=KINDS[name][0])
+              for i, name in enumerate(names)] + [SamplingParams(temperature=1.0, seed=5, max_tokens=20)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    one = run(engine, prompts, params)
+    single, engine.grammar_worker = engine.grammar_worker, GrammarWorker(engine.grammars.info, processes=2)
+    try:
+        two = run(engine, prompts, params)
+    finally:
+        engine.grammar_worker.close()
+        engine.grammar_worker = single
+    assert [samples(r) for r in two] == [samples(r) for r in one]
+    for name, result in zip(names, two):
+        assert all(s.finish_reason == "stop" and KINDS[name][1](s.text) for s in samples(result))
+
 def test_a_dead_grammar_worker_is_an_error_not_a_hang(engine: LLMEngine) -> None:
     """The engine thread waits on the worker's reply: if the worker dies, the wait ends in an error
     (the engine loop then fails every request) instead of blocking for ever."""
     worker = GrammarWorker(engine.grammars.info)
     try:
         worker.start()
-        worker._process.kill()
-        worker._process.join(10)
+        worker._processes[0].kill()
+        worker._processes[0].join(10)
         with pytest.raises(GrammarWorkerError):
             worker.submit([worker.grammar(StructuredOutput.choice(["yes"])).key])
             worker.masks()
