@@ -208,3 +208,38 @@ def test_an_engine_fault_fails_requests_in_flight_and_marks_the_server_dead(defa
         assert client.get("/health").status_code == 503
         after = client.post("/v1/chat/completions", json=chat("Hi.", max_tokens=1))
         assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+
+
+def test_streams_nobody_reads_do_not_hold_the_queue(server: Server) -> None:
+    """Streams whose clients stopped reading are not waiting for the engine: with more of them open,
+    unread, than --max-queue holds, normal requests still get in."""
+    clients = [httpx.Client(timeout=60) for _ in range(MAX_QUEUE + 2)]
+    streams = []
+    try:
+        for i, client in enumerate(clients):  # one at a time: none of them waits for the engine
+            request = client.build_request("POST", server.url + "/v1/chat/completions",
+                                           json=chat(f"Say {i}.", max_tokens=8, stream=True))
+            streams.append(client.send(request, stream=True))  # its headers read, its body never
+            assert streams[-1].status_code == 200
+            wait_until(lambda: metric(server.url, "requests_running") == metric(server.url, "requests_waiting") == 0,
+                       what="the unread stream done in the engine, and not counted as waiting")
+        for _ in range(3):
+            reply = httpx.post(server.url + "/v1/chat/completions", json=chat("Hi", max_tokens=2), timeout=60)
+            assert reply.status_code == 200, reply.text
+    finally:
+        for stream in streams:
+            stream.close()
+        for client in clients:
+            client.close()
+    assert_idle_and_serving(server.url)
+
+
+@pytest.mark.parametrize("body", [{}, {"max_tokens": None}], ids=["omitted", "null"])
+def test_legacy_completions_stop_at_16_tokens_by_default(server: Server, body: dict) -> None:
+    """As OpenAI's and vLLM's: without max_tokens a completion is 16 tokens, not the context."""
+    reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"prompt": "Once upon a time", "ignore_eos": True, **body})
+    assert reply.status_code == 200, reply.text
+    result = reply.json()
+    assert result["usage"]["completion_tokens"] == 16 and result["choices"][0]["finish_reason"] == "length"
+    assert_idle_and_serving(server.url)
