@@ -291,7 +291,8 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        targets = self._prompt_logprob_rows(out, step)
+        # A captured decode step holds no prompt position before a prompt's last: no loop over its batch.
+        targets = self._prompt_logprob_rows(out, step) if step.graph_batch is None else None
         logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None and prev.sampling else None)
         if logits is None:
             return None

@@ -83,7 +83,9 @@ class Scheduler:
                 self._schedule(out, seq, num_new)
         # Admit waiting sequences in arrival order, unless memory was just short. While a prompt is
         # chunked, longer ones than the step holds wait (passed) and shorter ones behind them go.
-        slots = len(self.running) + sum(s.request.num_pending_forks for s in self.running if s.index == 0)
+        # Counted only when something waits: a steady decode step skips the loop over the batch.
+        slots = (len(self.running) + sum(s.request.num_pending_forks for s in self.running if s.index == 0)
+                 if self.waiting else 0)
         passed: list[Sequence] = []
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting.popleft()
