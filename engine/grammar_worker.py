@@ -16,7 +16,8 @@ engine compiles it to validate it.
 
 A large batch's fills take longer than the engine thread's work around them, so there it is split
 between processes: each owns the matchers whose key it is given (key % processes), takes every
-message and does its own part of it, and fills its own rows of the one bitmask.
+message and does its own part of it, and fills its own rows of the one bitmask (the first process
+also the rows without a grammar).
 """
 from __future__ import annotations
 
@@ -42,13 +43,17 @@ from engine.structured_output import GrammarCompiler
 log = logging.getLogger("minillm.engine")
 
 READY_TIMEOUT_S = 120.0  # a spawned worker imports torch and xgrammar: seconds on a busy machine
-SPLIT_BATCH = 32  # an engine that batches this many sequences splits its fills in two, cores allowing
+SPLIT_BATCH = 32  # an engine that batches this many sequences splits its fills, cores allowing
 
 
 def worker_processes(max_num_seqs: int) -> int:
-    """How many processes fill masks: two where a step may hold SPLIT_BATCH rows and the machine has
-    cores for the engine thread and both (a two-core CI runner gets one)."""
-    return 2 if max_num_seqs >= SPLIT_BATCH and (os.cpu_count() or 1) >= 4 else 1
+    """How many processes fill masks: where a step may hold SPLIT_BATCH rows, four on a machine of 8
+    cores or more, two on one of 4 to 7 (the engine thread keeps a core); else one, as on a two-core
+    CI runner. Each process's share of a step is what the engine thread waits for."""
+    cores = os.cpu_count() or 1
+    if max_num_seqs < SPLIT_BATCH or cores < 4:
+        return 1
+    return 4 if cores >= 8 else 2
 
 
 class GrammarWorkerError(RuntimeError):
@@ -248,7 +253,7 @@ def _register(bitmask: torch.Tensor) -> bool:
 
 def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, processes: int = 1) -> None:
     """A worker process: one matcher per open sequence whose key is its own (key % processes ==
-    index), a compiled grammar per spec (cached); it fills its own rows and those with no grammar."""
+    index), a compiled grammar per spec (cached); it fills its own rows, and process 0 those with no grammar."""
     # One thread: torch's pool would wake every core for a fill of a few rows, then spin on them
     # beside the engine's thread.
     torch.set_num_threads(1)
@@ -259,7 +264,11 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
         matchers: dict[int, xgr.GrammarMatcher] = {}
         shm: SharedMemory | None = None
         bitmask: torch.Tensor | None = None
-        filled, keys = 0, array("i")  # the last step's number and its rows' matcher keys
+        filled = 0  # the last step's number
+        # The last step's rows: (row, matcher) of this process's keys, and the rows with no grammar.
+        mine: list[tuple[int, xgr.GrammarMatcher]] = []
+        free: list[int] = []
+        keys = array("i")
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(e)
         return
@@ -284,11 +293,11 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                 if fill != filled:
                     raise RuntimeError(f"the ids of step {fill} came after step {filled} was filled")
                 token_ids = array("i", token_bytes)
-                live = [(k, token_ids[r]) for r, k in enumerate(keys)
-                        if k >= 0 and (m := matchers.get(k)) is not None and not m.is_terminated()]
+                # A matcher that took a stop token is done: it takes no more.
+                live = [(r, m) for r, m in mine if not m.is_terminated()]
                 if live:
-                    accepted = batch.batch_accept_token([matchers[k] for k, _ in live], [t for _, t in live])
-                    refused += [k for (k, _), ok in zip(live, accepted) if not ok]
+                    accepted = batch.batch_accept_token([m for _, m in live], [token_ids[r] for r, _ in live])
+                    refused += [keys[r] for (r, _), ok in zip(live, accepted) if not ok]
             for key in step.closes:
                 matchers.pop(key, None)
             for key, spec in step.opens:
@@ -298,24 +307,25 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                     matchers[key] = xgr.GrammarMatcher(compiler.compile(spec))
                 except InvalidRequestError:  # the engine compiled it first, so never expected: the sample ends
                     refused.append(key)
-            if step.keys is not None:
-                keys = array("i", step.keys)
+            if step.keys is not None or step.opens or step.closes:
+                if step.keys is not None:
+                    keys = array("i", step.keys)
+                mine = [(r, matchers[k]) for r, k in enumerate(keys) if k >= 0 and k % processes == index and k in matchers]
+                free = [r for r, k in enumerate(keys) if k < 0] if index == 0 else []
             filled = step.fill
-            # A matcher that took a stop token is done: its row (its sequence ends) allows every token.
-            fills = [(k, r) for r, k in enumerate(keys)
-                     if k >= 0 and (m := matchers.get(k)) is not None and not m.is_terminated()]
-            filled_rows = {r for _, r in fills}
-            free = [r for r, k in enumerate(keys) if r not in filled_rows and (k < 0 or k % processes == index)]
             if step.shm_name is not None:
                 if shm is not None:
                     shm.close()
                 shm = SharedMemory(name=step.shm_name)
                 bitmask = torch.frombuffer(shm.buf, dtype=torch.int32).view(-1, (info.vocab_size + 31) // 32)
             rows = bitmask[: len(keys)]
-            if free:  # rows without a grammar allow every token
-                rows[free] = -1
+            # A terminated matcher's row (its sequence ends) and a row without a grammar allow every token.
+            fills = [(r, m) for r, m in mine if not m.is_terminated()]
+            done = [r for r, m in mine if m.is_terminated()] if len(fills) < len(mine) else []
+            if free or done:
+                rows[free + done] = -1
             if fills:
-                batch.batch_fill_next_token_bitmask([matchers[k] for k, _ in fills], rows, [r for _, r in fills])
+                batch.batch_fill_next_token_bitmask([m for _, m in fills], rows, [r for r, _ in fills])
             conn.send((refused, time.perf_counter() - start))
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
             conn.send(e)

@@ -85,12 +85,12 @@ class SamplerOutput:
 
 
 def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """-inf where a row may not go (out of place). `mask` is the batch's [B, ceil(V / 32)] int32
-    bitmask in xgrammar's layout, filled on the host (engine/grammar_worker.py): bit v of row r set
-    means row r may take token v; rows without a grammar have every bit set. One copy to the device
-    and one kernel (kernels/token_mask.py), no gathers."""
+    """The logits as float32 scores, -inf where a row may not go (a copy). `mask` is the batch's
+    [B, ceil(V / 32)] int32 bitmask in xgrammar's layout, filled on the host
+    (engine/grammar_worker.py): bit v of row r set means row r may take token v; rows without a
+    grammar have every bit set. One copy to the device and one kernel (kernels/token_mask.py)."""
     if mask is None:
-        return logits
+        return logits.float()
     return token_mask(logits, mask.to(logits.device, non_blocking=True))
 
 
@@ -206,7 +206,7 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleR
     if not wanted:
         return SamplerOutput(token_ids)
     index = to_device(wanted, torch.int64, raw.device)
-    logprobs = raw[index].log_softmax(dim=-1)
+    logprobs = raw[index].float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[index][:, None])[:, 0]
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
     top_values, top_ids = logprobs.topk(max(num_top), dim=-1)  # k = 0 gives empty rows
@@ -235,7 +235,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample a token per row: greedy rows take the argmax, the others Gumbel-max under their seed;
         rows that `mask` names only among their allowed tokens."""
-        raw = logits[:, : self.vocab_size].float()
+        raw = logits[:, : self.vocab_size]
         scores = apply_penalties(apply_logit_bias(apply_token_mask(raw, mask), rows), rows)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if sampled and len(sampled) == len(rows):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 
 from engine.errors import InvalidRequestError, ModelLoadError
 
@@ -44,6 +44,12 @@ class Tokenizer:
         self._marked = re.compile(f"{MARK_START}({self._controls.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
         self._newline_ids = self.encode("\n", add_special_tokens=False)
         self._spellings: dict[str, list[int]] = {}  # a control token's spelling -> its ids as text
+        # The Rust decoder directly where transformers' decode adds nothing to it: it runs twice per
+        # sampled token (IncrementalDetokenizer), and transformers' Python layers around it cost 3x.
+        backend = getattr(hf, "backend_tokenizer", None)
+        plain = type(hf)._decode is TokenizersBackend._decode
+        self._backend_decode = (backend.decode if backend is not None and plain and not hf.clean_up_tokenization_spaces
+                                else None)
 
     @staticmethod
     def present(path: Path) -> bool:
@@ -152,6 +158,8 @@ class Tokenizer:
         return [token.id for split in splits for token in backend.model.tokenize(split)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 

@@ -1,6 +1,7 @@
 """Grammar masks on the logits: -inf wherever a row's token bitmask (xgrammar's layout) has the
-token's bit clear. One kernel in place of the reference's chain of elementwise ops: at batch 64 the
-host's launches, not the device, are what a constrained step pays for."""
+token's bit clear, as float32 scores: it is the sampler's copy of the logits to float32 too. One
+kernel in place of the reference's chain of elementwise ops: at batch 64 the host's launches, not
+the device, are what a constrained step pays for."""
 from __future__ import annotations
 
 import torch
@@ -11,12 +12,12 @@ from kernels.dispatch import use_triton
 
 
 def apply_token_mask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Torch reference (out of place): bit v of `bitmask[r]` (int32 words, [B, ceil(V / 32)], on the
-    logits' device) set means row r may take token v."""
+    """Torch reference (float32, out of place): bit v of `bitmask[r]` (int32 words, [B, ceil(V / 32)],
+    on the logits' device) set means row r may take token v."""
     vocab = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits.float().masked_fill(~allowed, float("-inf"))
 
 
 @triton.jit
@@ -28,8 +29,8 @@ def _token_mask_kernel(logits_ptr, bitmask_ptr, out_ptr, vocab, words, logits_st
     word = tl.load(bitmask_ptr + row * words + cols // 32, mask=inside, other=0)
     allowed = ((word >> (cols % 32)) & 1) != 0
     logits = tl.load(logits_ptr + row * logits_stride + cols, mask=inside, other=0.0)
-    out = tl.where(allowed, logits, float("-inf"))
-    tl.store(out_ptr + row * vocab + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+    out = tl.where(allowed, logits.to(tl.float32), float("-inf"))
+    tl.store(out_ptr + row * vocab + cols, out, mask=inside)
 
 
 def apply_token_mask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,7 @@ def apply_token_mask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> torc
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and bitmask.is_contiguous() and bitmask.shape[0] >= rows
     assert bitmask.shape[1] * 32 >= vocab, "the bitmask covers fewer tokens than the logits"
-    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
     block = 1024
     _token_mask_kernel[(rows, triton.cdiv(vocab, block))](logits, bitmask, out, vocab, bitmask.shape[1],
                                                           logits.stride(0), BLOCK=block)

@@ -7,6 +7,7 @@ text itself should make sense.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampler import Sampler, SampleRow, apply_token_mask
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.grammar_worker import GrammarWorker, GrammarWorkerError
+from engine.grammar_worker import GrammarWorker, GrammarWorkerError, worker_processes
 from engine.structured_output import GrammarCompiler
 
 PROMPTS = ["Hello there", "Tell me a story about a dragon", "1 2 3", "The weather today is"]
@@ -620,6 +621,13 @@ def test_fills_split_between_two_processes_give_the_same_outputs(engine: LLMEngi
     assert [samples(r) for r in two] == [samples(r) for r in one]
     for name, result in zip(names, two):
         assert all(s.finish_reason == "stop" and KINDS[name][1](s.text) for s in samples(result))
+
+@pytest.mark.parametrize("cores, max_num_seqs, processes", [(2, 256, 1), (4, 256, 2), (16, 256, 4), (16, 16, 1)])
+def test_large_batches_split_their_fills_as_cores_allow(monkeypatch: pytest.MonkeyPatch, cores: int,
+                                                        max_num_seqs: int, processes: int) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert worker_processes(max_num_seqs) == processes
+
 
 def test_a_dead_grammar_worker_is_an_error_not_a_hang(engine: LLMEngine) -> None:
     """The engine thread waits on the worker's reply: if the worker dies, the wait ends in an error

@@ -28,6 +28,7 @@ def test_token_mask_matches_the_reference(dtype: torch.dtype, vocab: int) -> Non
     with nan_poisoned_allocations():
         out = apply_token_mask_triton(logits, bitmask)
     ref = apply_token_mask_ref(logits, bitmask[:4])
+    assert out.dtype == torch.float32  # the sampler's scores: the mask is its copy to float32
     assert torch.equal(out, ref)
-    assert torch.equal(out[0], logits[0])
-    assert bool(torch.isinf(out[1:]).any()) and bool((out == logits).any())  # both kinds of token occur
+    assert torch.equal(out[0], logits[0].float())
+    assert bool(torch.isinf(out[1:]).any()) and bool((out == logits.float()).any())  # both kinds of token occur
