@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
+
+# Before anything imports torch: torch's CUDA checks then ask NVML instead of initialising the CUDA
+# driver. Importing xgrammar runs such a check, and `serve`'s process imports it before Granian forks
+# the worker, whose CUDA would then refuse to start ("Cannot re-initialize CUDA in forked subprocess").
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
