@@ -2,15 +2,23 @@
 
 One run, on the current device (an H200 for the figures we quote):
   - the floor: a 2 GiB device-to-device copy, bytes read + written over the median time of 20;
-  - per model (`random:<shape>`, bf16, seeded weights): minillm's decode tok/s at batch 1, 8, 32
-    and 64 through LLMEngine.step(); its time to first token for 128, 2,048 and 8,192-token
-    prompts; the KV bytes one 8,192-token sequence holds against theory;
-  - transformers on the same weights (engine.loader.random_tensors, copied in by name): generate()
-    with its dynamic cache, and with a static cache and a compiled CUDA-graph decode step, at
-    batch 1, 8 and 64.
-A markdown table is printed last; JSON goes to --out. Per-section timings go to stderr.
+  - per model (`random:<shape>`, bf16, seeded weights; the 0.5B, 1B and 8B shapes): minillm's
+    decode tok/s at batch 1, 8, 32 and 64 through LLMEngine.step(); its time to first token for
+    128, 2,048 and 8,192-token prompts; the KV bytes one 8,192-token sequence holds against theory;
+  - FP8 (quantized as it loads) and INT4 (RTN checkpoints, lm_head bf16 or int4) of the 1B shape
+    at batch 1 and 8;
+  - transformers on the same 1B weights (engine.loader.random_tensors, copied in by name):
+    generate() with a static cache and a compiled CUDA-graph decode step at batch 1, 8 and 64
+    (--hf-dynamic adds its dynamic cache).
+Every run that writes the record covers that whole matrix (a partial run is an A/B, not a record).
+Each figure is the median of --reps repetitions (min, max and every run kept in the JSON), taken
+in rounds over the batches (or prompt lengths) of one engine, each round in the reverse order of
+the one before, so that a drift weighs on all alike. The run then compares itself with the
+previous record of the same GPU in bench/results (or --compare FILE) and marks every figure more
+than 5% worse. A markdown table is printed, then the comparison; JSON goes to --out. Per-section
+timings go to stderr.
 
-    python3 bench/gpu.py --out "$OUT/gpu.json"                 # on the GPU machine: about 5-7 minutes
+    python3 bench/gpu.py --out "$OUT/gpu.json"                 # on the GPU machine: about 8-9 minutes (estimated)
     python bench/gpu.py --smoke --skip-transformers --device cpu  # seconds: checks the script itself
 
 How each figure is taken:
@@ -18,15 +26,16 @@ How each figure is taken:
                  `--new-tokens` each. Prefill is run first and not timed; then the device is
                  synchronized and the decode steps are timed with perf_counter until the first
                  request finishes (so every timed step decodes the whole batch) or --decode-cap-s
-                 passes (a rate needs no more). Value = tokens sampled in the timed steps / seconds.
+                 passes (a rate needs no more). Run = tokens sampled in the timed steps / seconds.
                  transformers: a logits processor synchronizes and starts the clock the first time
                  generate() calls it, i.e. on the prefill's logits; the clock stops when generate()
-                 returns (synchronized). Value = batch x (new tokens - 1) / that time.
+                 returns (synchronized). Run = batch x (new tokens - 1) / that time.
   floor fraction the decode step's floor time / its measured time, where the floor time is the bytes
                  a step must read (weights, tied embedding once, plus batch x mean context x KV
-                 bytes per token) over the copy bandwidth. The same floor serves every system.
+                 bytes per token) over the copy bandwidth. The same floor serves every system;
+                 a row's is its median run's.
   ttft ms        one request alone, from add_request to the step that returns its first token
-                 (synchronized); median of --ttft-runs after one warm-up at the same length;
+                 (synchronized); each length warmed up once, then --reps rounds over the lengths;
                  a fresh random prompt each time, so the prefix cache never hits.
   kv bytes       KV blocks held by one sequence of the largest TTFT prompt, right after its first
                  token, x bytes per block; floor fraction = theory (tokens x KV bytes per token) /
@@ -49,10 +58,10 @@ import tempfile  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -77,16 +86,32 @@ SYSTEMS = ("minillm", "minillm-fp8", "minillm-int4", "minillm-int4-lm-head", "tr
 METRICS = ("decode_tok_s", "ttft_ms", "kv_bytes")
 COMPILE_GUESS_S = 45.0  # one torch.compile of a decode step on the GPU machine, for the estimate only
 CHECK_TOKENS = 8  # greedy tokens compared between minillm and transformers (same-weights check)
+WORSE = 0.05  # a figure this much worse than the previous record's is marked
 
 PROFILES: dict[str, dict[str, Any]] = {
-    "full": dict(models=["llama-3.2-1b", "qwen2.5-0.5b"], batches=[1, 8, 32, 64], hf_batches=[1, 8, 64],
-                 new_tokens=256, prompt_tokens=128, ttft_prompts=[128, 2048, 8192], ttft_runs=3,
-                 copy_bytes=2 << 30, copy_reps=20, kv_cache_memory="4GiB", quantized=["llama-3.2-1b"],
-                 quant_batches=[1, 8]),
-    "smoke": dict(models=["tiny-llama3"], batches=[1, 2], hf_batches=[1, 2], new_tokens=8, prompt_tokens=16,
-                  ttft_prompts=[16, 64, 256], ttft_runs=2, copy_bytes=64 << 20, copy_reps=5, kv_cache_memory="64MiB",
-                  quantized=["tiny-llama3"], quant_batches=[1]),
+    "full": dict(models=["llama-3.2-1b", "qwen2.5-0.5b", "llama-3.1-8b"], hf_models=["llama-3.2-1b"],
+                 batches=[1, 8, 32, 64], hf_batches=[1, 8, 64], new_tokens=256, prompt_tokens=128,
+                 ttft_prompts=[128, 2048, 8192], reps=3, copy_bytes=2 << 30, copy_reps=20, kv_cache_memory="4GiB",
+                 quantized=["llama-3.2-1b"], quant_batches=[1, 8]),
+    "smoke": dict(models=["tiny-llama3"], hf_models=["tiny-llama3"], batches=[1, 2], hf_batches=[1, 2], new_tokens=8,
+                  prompt_tokens=16, ttft_prompts=[16, 64, 256], reps=3, copy_bytes=64 << 20, copy_reps=5,
+                  kv_cache_memory="64MiB", quantized=["tiny-llama3"], quant_batches=[1]),
 }
+
+
+T = TypeVar("T")
+
+
+def rounds(items: list[T], reps: int) -> Iterator[T]:
+    """`reps` rounds over items, each in the reverse order of the one before (1 8 32 64 64 32 8 1 ...)."""
+    for k in range(reps):
+        yield from (items if k % 2 == 0 else items[::-1])
+
+
+def spread(runs: list[float], digits: int = 2) -> dict[str, Any]:
+    """A row's value (the median), min, max and runs."""
+    return dict(value=round(statistics.median(runs), digits), min=round(min(runs), digits),
+                max=round(max(runs), digits), runs=[round(r, digits) for r in runs])
 
 
 def log(message: str) -> None:
@@ -111,8 +136,11 @@ class Row:
     metric: str  # one of METRICS
     batch: int
     prompt_tokens: int
-    value: float
+    value: float  # the median of runs
     floor_fraction: float | None  # 1.0 is the floor; None where no floor applies (ttft)
+    min: float | None = None
+    max: float | None = None
+    runs: list[float] | None = None  # in the order taken (kv_bytes: one reading, no runs)
 
 
 @dataclass
@@ -307,19 +335,25 @@ def hf_decode(model: transformers.PreTrainedModel, prompts: list[list[int]], new
     return Decode((generated - 1) * len(prompts), seconds, len(prompts), ids.shape[1] + generated / 2)
 
 
-def hf_static_decode(model: transformers.PreTrainedModel, prompts: list[list[int]], new_tokens: int,
-                     cap_s: float) -> Decode:
-    """generate() with a StaticCache and (on CUDA) the decode forward compiled with CUDA graphs
-    (transformers 5's auto-compile: mode reduce-overhead, here fullgraph and static shapes).
-    One cache per batch size, reused, so the warm-up's compile and graph are the timed run's."""
+def hf_static_setup(model: transformers.PreTrainedModel, prompts: list[list[int]], new_tokens: int,
+                    cap_s: float) -> tuple[transformers.StaticCache, Any]:
+    """A StaticCache for this batch and (on CUDA) the decode forward compiled with CUDA graphs
+    (transformers 5's auto-compile: mode reduce-overhead, here fullgraph and static shapes), compiled
+    and recorded by a short generate(); the timed runs reuse both."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=len(prompts[0]) + new_tokens)
     compile_config = None
     if model.device.type == "cuda":
         compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     t = time.perf_counter()
-    hf_decode(model, prompts, min(new_tokens, 8), cap_s, cache, compile_config)  # compile, warm up, record
+    hf_decode(model, prompts, min(new_tokens, 8), cap_s, cache, compile_config)
     log(f"  compile + warm-up: {time.perf_counter() - t:.1f} s")
-    return hf_decode(model, prompts, new_tokens, cap_s, cache, compile_config)
+    return cache, compile_config
+
+
+def hf_static_decode(model: transformers.PreTrainedModel, prompts: list[list[int]], new_tokens: int,
+                     cap_s: float) -> Decode:
+    """One timed static-cache decode after its compile and warm-up (hf_static_setup)."""
+    return hf_decode(model, prompts, new_tokens, cap_s, *hf_static_setup(model, prompts, new_tokens, cap_s))
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -342,6 +376,8 @@ class Bench:
         self.timings: list[tuple[str, float]] = []
         self.failed: list[str] = []
         self.skipped: list[str] = []
+        self.time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.comparison: dict[str, Any] | None = None  # against the previous record (compare_with_previous)
         if args.out is None:
             args.out = ROOT / "bench" / "results" / f"{self.date}-{slug(self.gpu)}{'-smoke' if args.smoke else ''}.json"
 
@@ -369,26 +405,50 @@ class Bench:
         frac = "" if row.floor_fraction is None else f", {100 * row.floor_fraction:.1f}% of floor"
         log(f"  {row.system} {row.metric} batch {row.batch} prompt {row.prompt_tokens}: {row.value:,.2f}{frac}")
 
-    def add_decode(self, model: str, system: str, d: Decode, floor: Floor | None) -> None:
-        log(f"  {d.tokens} tokens in {d.seconds:.3f} s, mean context {d.mean_context:.0f}")
-        fraction = floor.fraction(d) if floor else None
-        self.add(Row(model, system, "decode_tok_s", d.batch, self.args.prompt_tokens, round(d.tok_s, 2),
-                     None if fraction is None else round(fraction, 5)))
+    def add_decode(self, model: str, system: str, runs: list[Decode], floor: Floor | None) -> None:
+        """One decode row from its repetitions: the median, with the floor fraction of the median run."""
+        for d in runs:
+            log(f"  batch {d.batch}: {d.tokens} tokens in {d.seconds:.3f} s = {d.tok_s:,.1f} tok/s, "
+                f"mean context {d.mean_context:.0f}")
+        middle = sorted(runs, key=lambda d: d.tok_s)[(len(runs) - 1) // 2]
+        fraction = floor.fraction(middle) if floor else None
+        self.add(Row(model, system, "decode_tok_s", middle.batch, self.args.prompt_tokens,
+                     floor_fraction=None if fraction is None else round(fraction, 5),
+                     **spread([d.tok_s for d in runs])))
 
     def save(self) -> None:
-        doc = {"gpu": self.gpu, "date": self.date, "commit": self.commit, "floor_bytes_per_s": self.floor_bytes_per_s,
-               "rows": [asdict(r) for r in self.rows]}
+        doc = {"bench": "gpu", "gpu": self.gpu, "date": self.date, "time": self.time, "commit": self.commit,
+               "partial": self.args.partial, "reps": self.args.reps, "floor_bytes_per_s": self.floor_bytes_per_s,
+               "rows": [asdict(r) for r in self.rows], "comparison": self.comparison,
+               "failed": self.failed, "skipped": self.skipped}
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
         self.args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def estimate_s(args: argparse.Namespace, device: torch.device) -> float:
     """A rough upper guess of the run's length, for the log: each decode measurement is capped."""
-    per_model = len(args.batches) * (args.decode_cap_s + 2) + 15  # decode; load, TTFT and KV
-    if not args.skip_transformers:  # per batch: a compile and a fast static decode, a capped dynamic one
+    per_model = (len(args.batches) * (args.reps + 1) * args.decode_cap_s / 3 + len(args.ttft_prompts) * args.reps
+                 + 30)  # decode rounds (most end well before the cap), TTFT, load and capture
+    total = 30 + len(args.models) * per_model
+    total += len(args.quantized or []) * 3 * (20 + len(args.quant_batches) * (args.reps + 1) * args.decode_cap_s / 3)
+    if not args.skip_transformers:  # per batch: a compile, then the rounds
         compile_s = COMPILE_GUESS_S if device.type == "cuda" else 0.0
-        per_model += len(args.hf_batches) * (compile_s + 3 + args.decode_cap_s + 2) + 5
-    return 30 + len(args.models) * per_model
+        total += len(args.hf_models) * (len(args.hf_batches) * (compile_s + args.reps * args.decode_cap_s / 3) + 10)
+    return total
+
+
+def decode_rounds(bench: Bench, engine: LLMEngine, batches: list[int]) -> dict[int, list[Decode]]:
+    """Each batch warmed up once, then --reps rounds over the batches (alternating order)."""
+    args, device = bench.args, bench.device
+    vocab = engine.model_config.vocab_size
+    for batch in batches:  # other prompts, a few tokens: graphs, allocator and caches at this batch
+        minillm_decode(engine, random_prompts(args.seed + 1000 + batch, batch, args.prompt_tokens, vocab),
+                       min(args.new_tokens, 4), args.decode_cap_s, device)
+    runs: dict[int, list[Decode]] = {b: [] for b in batches}
+    for batch in rounds(batches, args.reps):
+        runs[batch].append(minillm_decode(engine, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
+                                          args.new_tokens, args.decode_cap_s, device))
+    return runs
 
 
 def bench_minillm(bench: Bench, shape: str, floor: Floor | None) -> list[int] | None:
@@ -398,16 +458,13 @@ def bench_minillm(bench: Bench, shape: str, floor: Floor | None) -> list[int] | 
     engine: LLMEngine | None = bench.section(f"{shape} minillm: load and warm up", lambda: _engine(args, device, model))
     if engine is None:
         return None
-    vocab = engine.model_config.vocab_size
-    for batch in args.batches:
-        def decode(batch: int = batch) -> None:
-            minillm_decode(engine, random_prompts(args.seed + 1000 + batch, batch, args.prompt_tokens, vocab),
-                           min(args.new_tokens, 4), args.decode_cap_s, device)  # warm-up at this batch
-            d = minillm_decode(engine, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
-                               args.new_tokens, args.decode_cap_s, device)
-            bench.add_decode(model, "minillm", d, floor)
-        bench.section(f"{shape} minillm: decode batch {batch}", decode)
+
+    def decode() -> None:
+        for batch, runs in decode_rounds(bench, engine, args.batches).items():
+            bench.add_decode(model, "minillm", runs, floor)
+    bench.section(f"{shape} minillm: decode at batches {args.batches}, {args.reps} rounds", decode)
     bench.section(f"{shape} minillm: TTFT and KV bytes", lambda: _ttft_rows(bench, engine, model))
+    vocab = engine.model_config.vocab_size
     check_prompt = random_prompts(args.seed, 1, args.prompt_tokens, vocab)[0]
     tokens = bench.section(f"{shape} minillm: greedy tokens for the same-weights check", lambda: engine.generate(
         [check_prompt], SamplingParams(temperature=0.0, max_tokens=CHECK_TOKENS, ignore_eos=True))[0].token_ids)
@@ -429,23 +486,26 @@ def _ttft_rows(bench: Bench, engine: LLMEngine, model: str) -> None:
     args, device = bench.args, bench.device
     vocab = engine.model_config.vocab_size
     seed = args.seed + 10_000  # a fresh prompt every run: the prefix cache must not hit
-    for length in args.ttft_prompts:
+    lengths = args.ttft_prompts
+    for length in lengths:  # warm-up
         seed += 1
-        minillm_ttft(engine, random_prompts(seed, 1, length, vocab)[0], device)  # warm-up
-        runs = []
-        for _ in range(args.ttft_runs):
-            seed += 1
-            runs.append(minillm_ttft(engine, random_prompts(seed, 1, length, vocab)[0], device))
-        log(f"  TTFT {length} tokens, runs (ms): {', '.join(f'{s * 1e3:.1f}' for s, _ in runs)}")
-        ms = statistics.median(s for s, _ in runs) * 1e3
-        bench.add(Row(model, "minillm", "ttft_ms", 1, length, round(ms, 3), None))
-        if length == max(args.ttft_prompts):
-            value = runs[-1][1] * engine.kv_bytes_per_block
-            theory = length * engine.model_config.kv_bytes_per_token(engine.model.embed_tokens.weight.dtype.itemsize)
-            verdict = "within" if value <= theory + engine.kv_bytes_per_block else "OVER"
-            log(f"  KV at {length} tokens: {runs[-1][1]} blocks = {value:,} B; theory {theory:,} B; "
-                f"{verdict} theory + one block ({engine.kv_bytes_per_block:,} B)")
-            bench.add(Row(model, "minillm", "kv_bytes", 1, length, value, round(theory / value, 5)))
+        minillm_ttft(engine, random_prompts(seed, 1, length, vocab)[0], device)
+    runs: dict[int, list[tuple[float, int]]] = {n: [] for n in lengths}
+    for length in rounds(lengths, args.reps):
+        seed += 1
+        runs[length].append(minillm_ttft(engine, random_prompts(seed, 1, length, vocab)[0], device))
+    for length in lengths:
+        log(f"  TTFT {length} tokens, runs (ms): {', '.join(f'{s * 1e3:.1f}' for s, _ in runs[length])}")
+        bench.add(Row(model, "minillm", "ttft_ms", 1, length, floor_fraction=None,
+                      **spread([s * 1e3 for s, _ in runs[length]], 3)))
+    length = max(lengths)
+    blocks = runs[length][-1][1]
+    value = blocks * engine.kv_bytes_per_block
+    theory = length * engine.model_config.kv_bytes_per_token(engine.model.embed_tokens.weight.dtype.itemsize)
+    verdict = "within" if value <= theory + engine.kv_bytes_per_block else "OVER"
+    log(f"  KV at {length} tokens: {blocks} blocks = {value:,} B; theory {theory:,} B; "
+        f"{verdict} theory + one block ({engine.kv_bytes_per_block:,} B)")
+    bench.add(Row(model, "minillm", "kv_bytes", 1, length, value, round(theory / value, 5)))
 
 
 def int4_checkpoint(shape: str, seed: int, device: torch.device, out: Path, lm_head: bool = False) -> Path:
@@ -491,15 +551,11 @@ def bench_quantized(bench: Bench, shape: str, tmp: Path) -> None:
         if engine is None:
             continue
         floor = weight_floor(engine, bench.floor_bytes_per_s) if bench.floor_bytes_per_s else None
-        vocab = engine.model_config.vocab_size
-        for batch in args.quant_batches:
-            def decode(batch: int = batch, engine: LLMEngine = engine, floor: Floor | None = floor) -> None:
-                minillm_decode(engine, random_prompts(args.seed + 1000 + batch, batch, args.prompt_tokens, vocab),
-                               min(args.new_tokens, 4), args.decode_cap_s, device)
-                d = minillm_decode(engine, random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab),
-                                   args.new_tokens, args.decode_cap_s, device)
-                bench.add_decode(model, system, d, floor)
-            bench.section(f"{shape} {system}: decode batch {batch}", decode)
+
+        def decode(engine: LLMEngine = engine, system: str = system, floor: Floor | None = floor) -> None:
+            for batch, runs in decode_rounds(bench, engine, args.quant_batches).items():
+                bench.add_decode(model, system, runs, floor)
+        bench.section(f"{shape} {system}: decode at batches {args.quant_batches}, {args.reps} rounds", decode)
         del engine
         release(device)
 
@@ -519,18 +575,36 @@ def bench_transformers(bench: Bench, shape: str, floor: Floor | None, check_toke
                       lambda: check_same_weights(hf, check_prompt, check_tokens))
     if device.type != "cuda":
         log("  (no CUDA: transformers-static runs its static cache uncompiled)")
+    prompts = {b: random_prompts(args.seed + b, b, args.prompt_tokens, vocab) for b in args.hf_batches}
+    static: dict[int, tuple[transformers.StaticCache, Any]] = {}
     for batch in args.hf_batches:
-        prompts = random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab)
-        bench.section(f"{shape} transformers-static: decode batch {batch}", lambda p=prompts: bench.add_decode(
-            model_name, "transformers-static", hf_static_decode(hf, p, args.new_tokens, args.decode_cap_s), floor))
-    for batch in args.hf_batches:
-        prompts = random_prompts(args.seed + batch, batch, args.prompt_tokens, vocab)
+        setup = bench.section(f"{shape} transformers-static: compile at batch {batch}",
+                              lambda b=batch: hf_static_setup(hf, prompts[b], args.new_tokens, args.decode_cap_s))
+        if setup is not None:
+            static[batch] = setup
 
-        def dynamic(p: list[list[int]] = prompts) -> None:
-            hf_decode(hf, p, min(args.new_tokens, 4), args.decode_cap_s)  # warm-up at this batch
-            d = hf_decode(hf, p, args.new_tokens, args.decode_cap_s)
-            bench.add_decode(model_name, "transformers-dynamic", d, floor)
-        bench.section(f"{shape} transformers-dynamic: decode batch {batch}", dynamic)
+    def static_rounds() -> None:
+        runs: dict[int, list[Decode]] = {b: [] for b in static}
+        for batch in rounds(list(static), args.reps):
+            runs[batch].append(hf_decode(hf, prompts[batch], args.new_tokens, args.decode_cap_s, *static[batch]))
+        for batch in static:
+            bench.add_decode(model_name, "transformers-static", runs[batch], floor)
+    if static:
+        bench.section(f"{shape} transformers-static: decode at batches {list(static)}, {args.reps} rounds",
+                      static_rounds)
+
+    def dynamic_rounds() -> None:
+        for batch in args.hf_batches:
+            hf_decode(hf, prompts[batch], min(args.new_tokens, 4), args.decode_cap_s)  # warm-up at this batch
+        runs: dict[int, list[Decode]] = {b: [] for b in args.hf_batches}
+        for batch in rounds(args.hf_batches, args.reps):
+            runs[batch].append(hf_decode(hf, prompts[batch], args.new_tokens, args.decode_cap_s))
+        for batch in args.hf_batches:
+            bench.add_decode(model_name, "transformers-dynamic", runs[batch], floor)
+    if args.hf_dynamic:
+        bench.section(f"{shape} transformers-dynamic: decode at batches {args.hf_batches}, {args.reps} rounds",
+                      dynamic_rounds)
+    static.clear()
     del hf
     torch._dynamo.reset()  # drop this model's compiled graphs before the next model
     release(device)
@@ -569,29 +643,111 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     names = lambda s: [x.removeprefix(RANDOM_PREFIX) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=names, help="shape names, comma-separated (default llama-3.2-1b,qwen2.5-0.5b)")
+    p.add_argument("--models", type=names,
+                   help="shape names, comma-separated (default llama-3.2-1b,qwen2.5-0.5b,llama-3.1-8b)")
+    p.add_argument("--hf-models", type=names, help="shapes transformers runs too (default llama-3.2-1b)")
     p.add_argument("--batches", type=ints, help="minillm decode batches (default 1,8,32,64)")
     p.add_argument("--hf-batches", type=ints, help="transformers decode batches (default 1,8,64)")
     p.add_argument("--new-tokens", type=int, help="new tokens per decode request (default 256)")
     p.add_argument("--prompt-tokens", type=int, help="prompt tokens per decode request (default 128)")
     p.add_argument("--ttft-prompts", type=ints,
                    help="TTFT prompt lengths; KV is read at the largest (default 128,2048,8192)")
-    p.add_argument("--ttft-runs", type=int, help="timed TTFT runs per length, median taken (default 3)")
-    p.add_argument("--decode-cap-s", type=float, default=6.0, help="stop timing a decode after this (default 6)")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="start no section after this many seconds of the run (default 420)")
+    p.add_argument("--reps", type=int, help="repetitions of every figure, median taken (default 3)")
+    p.add_argument("--decode-cap-s", type=float, default=3.0, help="stop timing a decode after this (default 3)")
+    p.add_argument("--budget-s", type=float, default=520.0,
+                   help="start no section after this many seconds of the run (default 520)")
     p.add_argument("--kv-cache-memory", help="minillm's KV pool (default 4GiB; smoke 64MiB)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--hf-dynamic", action="store_true", help="also transformers' dynamic cache (not in the record)")
+    p.add_argument("--compare", type=Path,
+                   help="the record to compare with (default: the newest full record of this GPU in bench/results)")
     p.add_argument("--quantized", type=names, help="shapes to also run as FP8 and INT4 (default llama-3.2-1b; '' for none)")
     p.add_argument("--quant-batches", type=ints, help="decode batches of the quantized runs (default 1,8)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, small batches, few tokens: checks the script")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/<date>-<gpu>.json)")
-    args = with_profile(p.parse_args(argv), PROFILES)
+    args = p.parse_args(argv)
+    # The record is the full matrix: any option that narrows it makes a partial run (an A/B, never compared with).
+    args.partial = args.smoke or args.skip_transformers or any(
+        getattr(args, k) not in (None, v) for k, v in PROFILES["full"].items())
+    args = with_profile(args, PROFILES)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2: the first token comes from the prefill")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
     return args
+
+
+# ---- against the previous record ------------------------------------------------------------------
+
+LOWER_IS_BETTER = ("ttft_ms", "kv_bytes")
+RECORD_NAME = re.compile(r"\d{4}-\d{2}-\d{2}-[a-z0-9]+\.json")  # records from before "bench": "gpu": <date>-h200.json
+
+
+def previous_record(results: Path, gpu: str, exclude: Path | None = None) -> Path | None:
+    """The newest full bench/gpu.py record of this GPU in `results` (by date, then time, then name)."""
+    best: tuple[tuple[str, str, str], Path] | None = None
+    for path in results.glob("*.json"):
+        if exclude is not None and path.resolve() == exclude.resolve():
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (not isinstance(doc, dict) or doc.get("gpu") != gpu or doc.get("partial") or doc.get("failed")
+                or doc.get("skipped") or not isinstance(doc.get("rows"), list)):
+            continue  # another GPU's, an A/B, or a run that lost sections: not a record
+        if doc.get("bench") != "gpu" and not ("bench" not in doc and RECORD_NAME.fullmatch(path.name)):
+            continue
+        key = (str(doc.get("date", "")), str(doc.get("time", "")), path.name)
+        if best is None or key > best[0]:
+            best = (key, path)
+    return None if best is None else best[1]
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    return r["model"], r["system"], r["metric"], r["batch"], r["prompt_tokens"]
+
+
+def compare(previous: dict[str, Any], rows: list[Row]) -> list[dict[str, Any]]:
+    """Each figure both runs have: the previous value, this one, the change, and whether it is more
+    than WORSE worse (lower tok/s; higher TTFT or KV bytes)."""
+    before = {row_key(r): r["value"] for r in previous["rows"]}
+    out = []
+    for r in rows:
+        old = before.get(row_key(asdict(r)))
+        if not old:
+            continue
+        change = r.value / old - 1
+        worse = change > WORSE if r.metric in LOWER_IS_BETTER else change < -WORSE
+        out.append({**dict(zip(("model", "system", "metric", "batch", "prompt_tokens"), row_key(asdict(r)))),
+                    "previous": old, "value": r.value, "change": round(change, 4), "worse": worse})
+    return out
+
+
+def compare_with_previous(bench: Bench) -> str:
+    """Fill bench.comparison against the previous record and return its markdown (empty if none)."""
+    path = bench.args.compare or previous_record(ROOT / "bench" / "results", bench.gpu, exclude=bench.args.out)
+    if path is None:
+        log("no previous record of this GPU in bench/results to compare with")
+        return ""
+    previous = json.loads(Path(path).read_text())
+    changes = compare(previous, bench.rows)
+    worse = [c for c in changes if c["worse"]]
+    missing = sorted({row_key(r) for r in previous["rows"]} - {row_key(asdict(r)) for r in bench.rows})
+    bench.comparison = {"file": Path(path).name, "commit": previous.get("commit"), "date": previous.get("date"),
+                        "changes": changes, "worse": len(worse), "missing": [list(k) for k in missing]}
+    lines = [f"Against {Path(path).name} (commit {previous.get('commit')}, {previous.get('date')}): "
+             f"{len(worse)} of {len(changes)} figures more than {WORSE:.0%} worse"
+             + (f"; {len(missing)} of its figures not measured now" if missing else ""), "",
+             "| model | system | metric | batch | prompt tokens | previous | now | change |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for c in changes:
+        mark = " **worse**" if c["worse"] else ""
+        lines.append(f"| {c['model']} | {c['system']} | {c['metric']} | {c['batch']} | {c['prompt_tokens']} | "
+                     f"{c['previous']:,.1f} | {c['value']:,.1f} | {c['change']:+.1%}{mark} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,8 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, device)
     log(f"bench/gpu.py on {bench.gpu} ({device}, {str(dtype).removeprefix('torch.')}), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, commit {bench.commit}; JSON to {args.out}")
-    log(f"plan: {', '.join(args.models)}; minillm batches {args.batches}; transformers batches "
-        f"{'skipped' if args.skip_transformers else args.hf_batches}; {args.prompt_tokens}-token prompts, "
+    log(f"plan{' (partial)' if args.partial else ''}: {', '.join(args.models)}; minillm batches {args.batches}; "
+        f"{args.reps} repetitions; transformers "
+        f"{'skipped' if args.skip_transformers else f'{args.hf_models} at {args.hf_batches}'}; {args.prompt_tokens}-token prompts, "
         f"{args.new_tokens} new tokens (decode timing capped at {args.decode_cap_s:.0f} s); TTFT at {args.ttft_prompts}")
     log(f"estimate: at most about {estimate_s(args, device):.0f} s (each torch.compile guessed at "
         f"{COMPILE_GUESS_S:.0f} s); no section starts after {args.budget_s:.0f} s")
@@ -633,9 +790,12 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 bench_quantized(bench, shape, Path(tmp))
     if not args.skip_transformers:
-        for shape in args.models:
-            bench_transformers(bench, shape, floors[shape], check_tokens[shape])
+        for shape in args.hf_models:
+            floor = floors.get(shape) or (model_floor(shape, dtype, bench.floor_bytes_per_s)
+                                          if bench.floor_bytes_per_s else None)
+            bench_transformers(bench, shape, floor, check_tokens.get(shape))
 
+    comparison = "" if args.partial and args.compare is None else compare_with_previous(bench)
     bench.save()
     log("sections (s): " + "; ".join(f"{name} {s:.1f}" for name, s in bench.timings))
     log(f"total {time.perf_counter() - START:.1f} s; failed: {bench.failed or 'none'}; "
@@ -645,6 +805,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{bench.date}; copy floor {floor_text}; decode: {args.prompt_tokens}-token prompts, up to {args.new_tokens} "
           f"new tokens, timed ≤ {args.decode_cap_s:.0f} s\n")
     print(markdown_table(bench.rows, [RANDOM_PREFIX + s for s in args.models]), flush=True)
+    if comparison:
+        print("\n" + comparison, flush=True)
+    elif args.partial:
+        print("\n(a partial run: not compared with the record)", flush=True)
     return 1 if bench.failed else 0
 
 
