@@ -265,8 +265,9 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
         shm: SharedMemory | None = None
         bitmask: torch.Tensor | None = None
         filled = 0  # the last step's number
-        # The last step's rows: (row, matcher) of this process's keys, and the rows with no grammar.
-        mine: list[tuple[int, xgr.GrammarMatcher]] = []
+        # The last step's rows: (row, matcher) of this process's keys (None: its grammar failed to
+        # open), and the rows with no grammar.
+        mine: list[tuple[int, xgr.GrammarMatcher | None]] = []
         free: list[int] = []
         keys = array("i")
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
@@ -294,7 +295,7 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                     raise RuntimeError(f"the ids of step {fill} came after step {filled} was filled")
                 token_ids = array("i", token_bytes)
                 # A matcher that took a stop token is done: it takes no more.
-                live = [(r, m) for r, m in mine if not m.is_terminated()]
+                live = [(r, m) for r, m in mine if m is not None and not m.is_terminated()]
                 if live:
                     accepted = batch.batch_accept_token([m for _, m in live], [token_ids[r] for r, _ in live])
                     refused += [keys[r] for (r, _), ok in zip(live, accepted) if not ok]
@@ -310,7 +311,7 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
             if step.keys is not None or step.opens or step.closes:
                 if step.keys is not None:
                     keys = array("i", step.keys)
-                mine = [(r, matchers[k]) for r, k in enumerate(keys) if k >= 0 and k % processes == index and k in matchers]
+                mine = [(r, matchers.get(k)) for r, k in enumerate(keys) if k >= 0 and k % processes == index]
                 free = [r for r, k in enumerate(keys) if k < 0] if index == 0 else []
             filled = step.fill
             if step.shm_name is not None:
@@ -319,9 +320,10 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                 shm = SharedMemory(name=step.shm_name)
                 bitmask = torch.frombuffer(shm.buf, dtype=torch.int32).view(-1, (info.vocab_size + 31) // 32)
             rows = bitmask[: len(keys)]
-            # A terminated matcher's row (its sequence ends) and a row without a grammar allow every token.
-            fills = [(r, m) for r, m in mine if not m.is_terminated()]
-            done = [r for r, m in mine if m.is_terminated()] if len(fills) < len(mine) else []
+            # A row without a grammar, or whose matcher is done (took a stop token: its sequence ends)
+            # or missing, allows every token.
+            fills = [(r, m) for r, m in mine if m is not None and not m.is_terminated()]
+            done = [r for r, m in mine if m is None or m.is_terminated()] if len(fills) < len(mine) else []
             if free or done:
                 rows[free + done] = -1
             if fills:

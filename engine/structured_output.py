@@ -69,7 +69,7 @@ class GrammarCompiler:
         c = self._compiler
         if spec.kind == "json":
             json.loads(spec.spec)  # a clear error for text that is not JSON at all
-            return c.compile_json_schema(spec.spec, any_whitespace=False)
+            return c.compile_grammar(_strict_strings(xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)))
         if spec.kind == "json_object":
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -78,9 +78,23 @@ class GrammarCompiler:
             return c.compile_grammar(_choice_grammar(spec.spec))
         if spec.kind == "grammar":  # EBNF (GBNF) as vLLM's guided_grammar takes, else Lark
             return c.compile_grammar(spec.spec) if "::=" in spec.spec else c.compile_lark(spec.spec)
-        if spec.kind == "structural_tag":
-            return c.compile_structural_tag(spec.spec)
+        if spec.kind == "structural_tag":  # tool calls: JSON arguments inside
+            return c.compile_grammar(_strict_strings(xgr.Grammar.from_structural_tag(spec.spec)))
         raise ValueError(f"unknown kind {spec.kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
+
+
+# xgrammar (0.2.8 and 0.2.9) writes a JSON string of bounded length (maxLength, minLength) as a run of
+# this class, which lets raw control characters through; JSON forbids them, as its unbounded strings say.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with its bounded JSON strings' characters as strict as JSON's."""
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _first_line(e: BaseException) -> str:

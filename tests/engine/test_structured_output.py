@@ -491,6 +491,21 @@ def _object(draw, values: st.SearchStrategy) -> dict:
 schemas = _object(st.recursive(leaves | _array(leaves), lambda inner: _object(inner) | _array(inner), max_leaves=4))
 
 
+@pytest.mark.parametrize("kind", ["json", "structural_tag"])
+def test_bounded_strings_refuse_raw_control_characters(engine: LLMEngine, kind: str) -> None:
+    """JSON strings never hold a raw control character, bounded (maxLength) or not, in a response
+    format or in tool-call arguments (a structural tag): xgrammar's own bounded strings would take one."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "t": {"type": "string"}},
+              "required": ["s", "t"]}
+    spec = (StructuredOutput.json_schema(schema) if kind == "json" else StructuredOutput(
+        "structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": schema}}),
+        "tools"))
+    compiled = engine.grammars.compile(spec)
+    for text in ('{"s": "a\x15', '{"s": "a", "t": "\x15', '{"s": "a\n'):
+        assert not xgr.GrammarMatcher(compiled).accept_string(text), text
+    assert xgr.GrammarMatcher(compiled).accept_string('{"s": "a b", "t": "c\\u0015"}')
+
+
 def test_random_schemas_validate(engine: LLMEngine) -> None:
     @settings(max_examples=8, deadline=None)
     @given(schemas, st.integers(0, 2**31))
