@@ -706,8 +706,11 @@ def previous_record(results: Path, gpu: str, exclude: Path | None = None) -> Pat
     return None if best is None else best[1]
 
 
+KEY_FIELDS = ("model", "system", "metric", "batch", "prompt_tokens")  # one figure of the matrix
+
+
 def row_key(r: dict[str, Any]) -> tuple:
-    return r["model"], r["system"], r["metric"], r["batch"], r["prompt_tokens"]
+    return tuple(r[f] for f in KEY_FIELDS)
 
 
 def compare(previous: dict[str, Any], rows: list[Row]) -> list[dict[str, Any]]:
@@ -716,13 +719,14 @@ def compare(previous: dict[str, Any], rows: list[Row]) -> list[dict[str, Any]]:
     before = {row_key(r): r["value"] for r in previous["rows"]}
     out = []
     for r in rows:
-        old = before.get(row_key(asdict(r)))
+        key = row_key(asdict(r))
+        old = before.get(key)
         if not old:
             continue
         change = r.value / old - 1
         worse = change > WORSE if r.metric in LOWER_IS_BETTER else change < -WORSE
-        out.append({**dict(zip(("model", "system", "metric", "batch", "prompt_tokens"), row_key(asdict(r)))),
-                    "previous": old, "value": r.value, "change": round(change, 4), "worse": worse})
+        out.append({**dict(zip(KEY_FIELDS, key)), "previous": old, "value": r.value, "change": round(change, 4),
+                    "worse": worse})
     return out
 
 

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # First: bench/gpu.py's sections keep the run's clock from its import.
-from bench.gpu import Bench, log, random_prompts, release, slug, sync, with_profile  # noqa: E402
+from bench.gpu import Bench, log, random_prompts, release, slug, spread, sync, with_profile  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -207,11 +207,6 @@ def default_tokenizer() -> Path:
         raise SystemExit(f"bench/structured.py: no default tokenizer ({e}); pass --tokenizer DIR") from None
 
 
-def spread(runs: list[float], digits: int = 3) -> dict[str, Any]:
-    return dict(value=round(statistics.median(runs), digits), min=round(min(runs), digits),
-                max=round(max(runs), digits), runs=[round(r, digits) for r in runs])
-
-
 class StructuredBench(Bench):
     """bench/gpu.py's sections and clock, with this benchmark's rows, summary and samples."""
 
@@ -324,8 +319,8 @@ def bench_ttft(bench: StructuredBench, engine: LLMEngine, spec: StructuredOutput
     for kind in kinds:
         log(f"  TTFT {kind or 'unconstrained'} (ms): {', '.join(f'{ms:.2f}' for ms in runs[kind])}")
         bench.add(Row(args.model, "minillm-json" if kind else "minillm", "ttft_ms", 1, args.prompt_tokens,
-                      **spread(runs[kind]), grammar=kind))
-    bench.add(Row(args.model, "minillm-json", "compile_ms", 1, args.prompt_tokens, **spread(compile_ms), grammar="new"))
+                      **spread(runs[kind], 3), grammar=kind))
+    bench.add(Row(args.model, "minillm-json", "compile_ms", 1, args.prompt_tokens, **spread(compile_ms, 3), grammar="new"))
     base = statistics.median(runs[None])
     bench.summary["ttft"] = {
         "prompt_tokens": args.prompt_tokens, "unconstrained_ms": round(base, 3),

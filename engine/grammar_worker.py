@@ -322,8 +322,12 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
             rows = bitmask[: len(keys)]
             # A row without a grammar, or whose matcher is done (took a stop token: its sequence ends)
             # or missing, allows every token.
-            fills = [(r, m) for r, m in mine if m is not None and not m.is_terminated()]
-            done = [r for r, m in mine if m is None or m.is_terminated()] if len(fills) < len(mine) else []
+            fills, done = [], []
+            for r, m in mine:
+                if m is not None and not m.is_terminated():
+                    fills.append((r, m))
+                else:
+                    done.append(r)
             if free or done:
                 rows[free + done] = -1
             if fills:
