@@ -670,7 +670,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # The record is the full matrix: any option that narrows it makes a partial run (an A/B, never compared with).
     args.partial = args.smoke or args.skip_transformers or any(
-        getattr(args, k) not in (None, v) for k, v in PROFILES["full"].items())
+        getattr(args, k, None) not in (None, v) for k, v in PROFILES["full"].items())
     args = with_profile(args, PROFILES)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2: the first token comes from the prefill")
