@@ -35,6 +35,27 @@ def reference_kernels() -> Iterator[None]:
         _reference_only = previous
 
 
+_unfolded_norms = False
+
+
+@contextmanager
+def unfolded_norms() -> Iterator[None]:
+    """Inside, projections never fold the RMSNorm after them into their one-row kernels (folds_norms
+    is False): each norm runs as its own kernel. The decode step the folded one is tested against."""
+    global _unfolded_norms
+    previous, _unfolded_norms = _unfolded_norms, True
+    try:
+        yield
+    finally:
+        _unfolded_norms = previous
+
+
+def folds_norms(t: torch.Tensor) -> bool:
+    """Whether a projection of `t` may end in the add-norm epilogue, leaving the norm's factor to the
+    next projection (kernels/rmsnorm.py's NormScale): on Triton, outside unfolded_norms()."""
+    return use_triton(t) and not _unfolded_norms
+
+
 # Off CUDA (Triton's interpreter) grids are sized as on an H200, so CPU tests split as the GPU does.
 REFERENCE_SM_COUNT = 132
 

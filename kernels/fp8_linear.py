@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.rmsnorm import NormScale, add_norm_ref
+from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.rmsnorm import NormScale, rms_norm
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
                              one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
                              sum_splits, tile_coords)
@@ -326,12 +326,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
     """As int4_linear_add_norm, for an FP8 weight: the one-row kernel's add-norm epilogue where it
-    runs, else fp8_linear and add_norm_ref."""
+    runs and norms fold, else fp8_linear and the norm kernel."""
     x2 = x.reshape(-1, weight.shape[1])
-    if use_triton(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight):
+    if folds_norms(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight):
         out, h, sumsq = _fp8_gemv(x2.contiguous(), weight, weight_scale, bias, False, None,
                                   (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
-    return add_norm_ref(fp8_linear(x, weight, weight_scale, bias), residual, norm_weight, eps)
+    return (*rms_norm(fp8_linear(x, weight, weight_scale, bias), norm_weight, eps, residual), None)

@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.int4_layout import dequantize_int4
-from kernels.rmsnorm import NormScale, add_norm_ref
+from kernels.rmsnorm import NormScale, rms_norm
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
                              one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
                              sum_splits, tile_coords)
@@ -342,16 +342,18 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scal
 
 
 def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                         group_size: int, bias: torch.Tensor | None, residual: torch.Tensor,
-                         norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+                         group_size: int, bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
     """y = x @ W.T + bias for one row x [1, K], then the residual add and RMSNorm that follow it, as
     kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual y + residual,
     and the NormScale the next projection applies (int4_linear's norm_in). On the one-row kernels
     it is their epilogue: no norm kernel between two projections. Under PDL the kernel reads
     `residual` before waiting for the kernel before it, so that kernel must not be what wrote it
-    (in the decoder an add-norm's residual comes from the add-norm two or more kernels back)."""
-    if use_triton(x) and x.numel() == x.shape[-1]:
+    (in the decoder an add-norm's residual comes from the add-norm two or more kernels back).
+    Elsewhere (several rows, or inside unfolded_norms()) the projection, then the norm kernel:
+    (normalized, new residual, None)."""
+    if folds_norms(x) and x.numel() == x.shape[-1]:
         out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
                                  group_size, bias, False, None, (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
-    return add_norm_ref(int4_linear(x, weight, zeros, scales, group_size, bias), residual, norm_weight, eps)
+    return (*rms_norm(int4_linear(x, weight, zeros, scales, group_size, bias), norm_weight, eps, residual), None)

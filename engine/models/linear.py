@@ -8,16 +8,16 @@ tensor to this rank's output features (column-parallel) or input features (row-p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
-from kernels import activation
+from kernels.dispatch import folds_norms
+from kernels.float_linear import float_linear, float_linear_add_norm
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm
-from kernels.rmsnorm import NormScale, add_norm_ref
+from kernels.rmsnorm import NormScale, rms_norm
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -29,13 +29,21 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 class Projection(nn.Module):
     """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
     norm_in=None), where norm_in (a NormScale) means x is one row still to be normalized by its
-    factor, and add_norm. Formats without a kernel for either do them apart, in torch."""
+    factor, and add_norm."""
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
-        """self(x) for one row, then the residual add and RMSNorm after it, left for the next
-        projection to finish (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
-        return add_norm_ref(self(x), residual, norm_weight, eps)
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
+        or, for one row where norms fold (kernels/dispatch.py's folds_norms), the format's one-row
+        kernel with the norm in its epilogue, the row left for the next projection to finish
+        (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
+        if folds_norms(x) and x.numel() == x.shape[-1]:
+            return self.folded_add_norm(x, residual, norm_weight, eps)
+        return (*rms_norm(self(x), norm_weight, eps, residual), None)  # self(x): forward hooks see it
+
+    def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        raise NotImplementedError
 
 
 class Linear(Projection):
@@ -49,8 +57,11 @@ class Linear(Projection):
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         """x W^T + b; with silu_mul (a merged gate/up layer), SiLU(gate) * up over its two halves."""
-        y = F.linear(x if norm_in is None else norm_in.apply(x), self.weight, self.bias)
-        return activation.silu_mul(y) if silu_mul else y
+        return float_linear(x, self.weight, self.bias, silu_mul, norm_in)
+
+    def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
@@ -101,8 +112,8 @@ class Int4Linear(Projection):
         return int4_linear(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size, self.bias,
                            silu_mul, norm_in)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                     self.bias, residual, norm_weight, eps)
 
@@ -156,8 +167,8 @@ class Fp8Linear(Projection):
     def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, silu_mul, norm_in)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
+    def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:

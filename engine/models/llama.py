@@ -17,10 +17,9 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig, QuantConfig
-from engine.models.linear import make_linear
+from engine.models.linear import Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
-from kernels.dispatch import use_triton
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
 
@@ -45,38 +44,38 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, dtype, quant)
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, dtype, quant)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        cos_sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = rms_norm(hidden, self.input_layernorm, self.eps, residual)
-        hidden = self.self_attention(positions, hidden, kv_cache, meta, cos_sin)
-        hidden, residual = rms_norm(hidden, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(hidden), residual
-
-    def forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, norm_in: NormScale | None,
-                       residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
-                       next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-        """One token on one GPU with the norms folded into the projections around them (int4, FP8:
-        the one-row kernels' epilogues and output scaling, no norm kernels): hidden is this layer's
-        normalized input up to norm_in's factor (None: exactly), and so is what it returns for the
-        next layer, normalized by next_norm (None: the last layer's un-normalized output)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, norm_in: NormScale | None,
+                residual: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
+                next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        """hidden is this layer's normalized input, up to norm_in's factor where the projection before
+        folded the norm into its epilogue (None: exactly); returns the same for the next layer,
+        normalized by next_norm, with the new residual (next_norm None: the last layer's output,
+        not yet added to the residual or normalized). Whether a norm folds is the projections'
+        choice (one row on a one-row kernel: decode at batch 1), so this is every batch's path."""
         attn = self.attend(positions, hidden, kv_cache, meta, cos_sin, norm_in)
-        hidden, residual, norm_in = self.o_proj.add_norm(attn, residual, self.post_attention_layernorm, self.eps)
+        hidden, residual, norm_in = self.add_norm(self.o_proj, attn, residual, self.post_attention_layernorm)
         hidden = self.gate_up_proj(hidden, silu_mul=True, norm_in=norm_in)
         if next_norm is None:
-            return self.down_proj(hidden), residual, None
-        return self.down_proj.add_norm(hidden, residual, next_norm, self.eps)
+            return self.tp.all_reduce(self.down_proj(hidden)), residual, None
+        return self.add_norm(self.down_proj, hidden, residual, next_norm)
+
+    def add_norm(self, proj: Projection, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        """A row-parallel projection, the residual add and the next RMSNorm (Projection.add_norm)."""
+        if self.tp.size > 1:  # the all-reduce goes between the projection and the residual add
+            return (*rms_norm(self.tp.all_reduce(proj(x)), norm_weight, self.eps, residual), None)
+        return proj.add_norm(x, residual, norm_weight, self.eps)
 
     def self_attention(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                        meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
-        """Normalized hidden states in, o_proj's output out (the new keys and values go to kv_cache)."""
+        """Normalized hidden states in, o_proj's output out (the new keys and values go to kv_cache):
+        the attention block alone, which calibration (engine/quantization) searches over."""
         return self.tp.all_reduce(self.o_proj(self.attend(positions, hidden, kv_cache, meta, cos_sin)))
+
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalized hidden states in, down_proj's output out: the MLP block alone, which AWQ
+        searches over."""
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(hidden, silu_mul=True)))
 
     def attend(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                cos_sin: torch.Tensor, norm_in: NormScale | None = None) -> torch.Tensor:
@@ -89,10 +88,6 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, -1)
-
-    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        # SiLU·up goes with the gate/up projection, whose one-row quantized kernels apply it as they store.
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj(hidden, silu_mul=True)))
 
 
 class DecoderModel(nn.Module):
@@ -113,8 +108,6 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
-        # Batch-1 decode folds the norms between layers into the int4 and FP8 one-row kernels.
-        self.fold_norms = self.quant is not None and tp.size == 1
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
         if self.quant is not None and self.quant.lm_head:
             if tp.size > 1:
@@ -140,26 +133,13 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         assert self.cos_sin is not None, "call init_rope() first"
-        hidden = self.embed(input_ids)
-        if self.fold_norms and hidden.shape[0] == 1 and use_triton(hidden):
-            return self._forward_folded(positions, hidden, kv_cache, meta)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, self.cos_sin)
-        hidden, _ = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
-        return hidden
-
-    def _forward_folded(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
-        """forward for one token through DecoderLayer.forward_folded: of the 2L + 1 norms only the
-        first and the last run as kernels; the others fold into the projections' epilogues."""
         eps = self.cfg.rms_norm_eps
-        hidden, residual = rms_norm(hidden, self.layers[0].input_layernorm, eps)
+        hidden, residual = rms_norm(self.embed(input_ids), self.layers[0].input_layernorm, eps)
         norm_in = None
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
-            hidden, residual, norm_in = layer.forward_folded(positions, hidden, norm_in, residual, kv_cache[i], meta,
-                                                             self.cos_sin, next_norm)
+            hidden, residual, norm_in = layer(positions, hidden, norm_in, residual, kv_cache[i], meta, self.cos_sin,
+                                              next_norm)
         hidden, _ = rms_norm(hidden, self.norm, eps, residual)
         return hidden
 

@@ -14,6 +14,7 @@ import torch
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.packed_prefill import pack_sequences
 from engine.tokenizer import Tokenizer
+from kernels.rmsnorm import rms_norm
 
 log = logging.getLogger("minillm.quantize")
 
@@ -54,21 +55,26 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
     (feed_changed) or from before it."""
     batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
     with _flush_denormals():
-        hidden, residual = model.embed_tokens(batch.input_ids), None
+        eps = model.cfg.rms_norm_eps
+        hidden, residual = rms_norm(model.embed_tokens(batch.input_ids), model.layers[0].input_layernorm, eps)
         for i, layer in enumerate(model.layers):
+            # The next layer's normalized input (the last layer's output normalized by the final norm, unused).
+            next_norm = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
             start = time.monotonic()
             inputs: dict[str, torch.Tensor] = {}
             hooks = [getattr(layer, name).register_forward_pre_hook(
                          lambda _m, args, name=name: inputs.__setitem__(name, args[0].float()))
                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
             try:
-                out = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
+                out = layer(batch.positions, hidden, None, residual, batch.kv_cache[0], batch.meta, model.cos_sin,
+                            next_norm)
             finally:
                 for hook in hooks:
                     hook.remove()
             change(layer, inputs, functools.partial(layer.self_attention, batch.positions, kv_cache=batch.kv_cache[0],
                                                     meta=batch.meta, cos_sin=model.cos_sin))
             if feed_changed:
-                out = layer(batch.positions, hidden, residual, batch.kv_cache[0], batch.meta, model.cos_sin)
-            hidden, residual = out
+                out = layer(batch.positions, hidden, None, residual, batch.kv_cache[0], batch.meta, model.cos_sin,
+                            next_norm)
+            hidden, residual, _ = out  # several rows: the norm never folds
             log.info("%s layer %d/%d: %.1f s", what, i + 1, model.cfg.num_layers, time.monotonic() - start)

@@ -212,13 +212,15 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
 
 
 def test_norm_in_and_add_norm_off_the_kernels_are_the_reference() -> None:
+    # Off the kernels nothing folds: add_norm is the projection and the norm, exactly normalized; a
+    # NormScale handed in anyway scales x before the reference projection.
     gen = torch.Generator().manual_seed(11)
     weight, zeros, scales = int4_weight(128, 64, 32, gen)
     x, residual, norm_w = torch.randn(1, 128, generator=gen), torch.randn(1, 64, generator=gen), torch.rand(64) + 0.5
-    u, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 32, None, residual, norm_w, 1e-6)
-    normed, new_residual = rms_norm_ref(int4_linear_ref(x, weight, zeros, scales, 32), norm_w, 1e-6, residual)
-    assert torch.equal(h, new_residual)
-    torch.testing.assert_close(scale.apply(u), normed, rtol=1e-5, atol=1e-6)
+    normed, h, scale = int4_linear_add_norm(x, weight, zeros, scales, 32, None, residual, norm_w, 1e-6)
+    ref, new_residual = rms_norm_ref(int4_linear_ref(x, weight, zeros, scales, 32), norm_w, 1e-6, residual)
+    assert scale is None and torch.equal(h, new_residual) and torch.equal(normed, ref)
+    u, _, norm = add_norm_ref(int4_linear_ref(x, weight, zeros, scales, 32), residual, norm_w, 1e-6)
     w2, z2, s2 = int4_weight(64, 32, 32, gen)
-    torch.testing.assert_close(int4_linear(u, w2, z2, s2, 32, norm_in=scale),
-                               int4_linear_ref(normed, w2, z2, s2, 32), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(int4_linear(u, w2, z2, s2, 32, norm_in=norm),
+                               int4_linear_ref(norm.apply(u), w2, z2, s2, 32), rtol=1e-4, atol=1e-5)

@@ -23,8 +23,8 @@ from engine.packed_prefill import prompt_logits
 from engine.quantization import quantize_checkpoint
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from kernels.dispatch import unfolded_norms
 from kernels.fp8_linear import FP8, FP8_MAX
-from kernels.rmsnorm import rms_norm
 from tests.engine.quantization.conftest import CPU, PROMPT, _float_and_awq_by_hand, greedy, rel_err
 
 
@@ -38,7 +38,7 @@ def test_batch1_decode_folds_the_norms_into_the_quantized_projections(tiny_with_
                                                                       monkeypatch, kernel) -> None:
     """One token through an int4 or FP8 model runs 2 norm kernels, not 2L + 1 (the rest are the
     one-row kernels' add-norm epilogues and scaled outputs), and gives the logits of the unfolded path."""
-    import engine.models.llama as llama
+    import kernels.rmsnorm as rmsnorm
     import kernels.split_k as split_k
 
     large = kernel == "int4-large-tiling"
@@ -50,11 +50,12 @@ def test_batch1_decode_folds_the_norms_into_the_quantized_projections(tiny_with_
     if large:  # the tiny weights would all take the small weights' tiling
         monkeypatch.setattr(split_k, "LARGE_TILING_MIN_WEIGHTS", 0)
     calls = []
-    monkeypatch.setattr(llama, "rms_norm", lambda *a, **k: calls.append(1) or rms_norm(*a, **k))
+    norm_kernel = rmsnorm.rms_norm_triton
+    monkeypatch.setattr(rmsnorm, "rms_norm_triton", lambda *a, **k: calls.append(1) or norm_kernel(*a, **k))
     folded = prompt_logits(model, PROMPT[:1])
-    assert model.fold_norms and len(calls) == 2
-    model.fold_norms = False
-    apart = prompt_logits(model, PROMPT[:1])
+    assert len(calls) == 2
+    with unfolded_norms():
+        apart = prompt_logits(model, PROMPT[:1])
     assert len(calls) == 2 + 2 * model.cfg.num_layers + 1
     # The stream kernel's float32 sums keep ~2**-20 of sum |x| (tests/kernels), which these random
     # weights' cancellations make ~1e-5 of the logits; FP8's products are exact in float32.

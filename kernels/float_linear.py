@@ -1,0 +1,134 @@
+"""Linear layers over float weights (bf16, fp16, fp32) W [N, K]: a one-row Triton GEMV for decode
+at batch 1, with the epilogues the quantized one-row kernels have (kernels/split_k.py): SiLU·up,
+the add-norm that leaves the next norm to the next projection, and that projection's scaled
+outputs. Every other shape goes to cuBLAS (F.linear).
+
+Against cuBLAS the GEMV saves more than its own time: it launches with PDL and reads its first
+weights before the previous kernel ends, and its epilogues take the norm and SiLU·up kernels of a
+decode layer with them (docs/performance.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import activation
+from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.rmsnorm import NormScale, rms_norm
+from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, one_row_rows,
+                             split_workspace, store_add_norm, store_one_row, sum_splits)
+
+
+def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     silu_mul: bool = False) -> torch.Tensor:
+    """Torch reference: x [..., K] @ W.T + bias → [..., N] (SiLU·up → [..., N / 2])."""
+    y = F.linear(x, weight, bias)
+    return activation.silu_mul_ref(y) if silu_mul else y
+
+
+@triton.jit
+def _float_gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, k_per_split,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+):
+    """One row of x against ROWS weight rows, BLOCK_K inputs a step (split along K when the rows
+    alone leave SMs idle). Each thread keeps float32 sums per weight it reads, reduced once at the
+    end. SILU_MUL, NORM_IN and ADD_NORM: as in kernels/int4_linear.py's one-row kernel."""
+    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    k_begin = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    k = k_begin + tl.arange(0, BLOCK_K)
+    # Weights are never written, so the first step's may be read before the previous kernel ends.
+    w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < k_end)[None, :], other=0.0)
+    if ADD_NORM:
+        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
+    wait_for_previous_kernel(PDL)
+    if NORM_IN:  # its partial sums' latency under the loop's
+        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * xk[None, :]
+        k_next = k + BLOCK_K  # one step ahead: the next weights in flight while these are summed
+        w = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+    y = tl.sum(acc, axis=1)
+    if NORM_IN:
+        y *= factor
+    if ADD_NORM:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
+    else:
+        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+
+
+def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
+    """_float_gemv_kernel's tiling by weight size (kernels/split_k.py's large_tiling), as the FP8
+    one-row kernel's: a small weight takes 4 rows a program of 4 warps, its whole rows (up to 4 KB
+    each) loaded before the wait and no split; a large one 16 rows a program of 2 warps, 256 bytes
+    of each row a step, split along K up to ~8 programs per SM."""
+    step = 256 // element_size
+    if not large_tiling(out_features, in_features):
+        return dict(ROWS=4, BLOCK_K=min(4096 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
+                    split=False)
+    return dict(ROWS=16, BLOCK_K=step, num_warps=2, split=True)
+
+
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [..., K] goes through the one-row kernel: one row, on Triton, a unit-stride weight."""
+    return use_triton(x) and x.numel() == x.shape[-1] and weight.stride(1) == 1
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+          norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One row x [1, K] through _float_gemv_kernel: out [1, N] ([1, N / 2] with silu_mul); with
+    add_norm (residual [1, N], norm weight [N]) out is h * norm weight, and the new residual h and
+    the sums of squares per row tile come too (else None, None)."""
+    out_features, in_features = weight.shape
+    outputs = out_features // 2 if silu_mul else out_features
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    cfg = gemv_config(out_features, in_features, weight.element_size())
+    split = cfg.pop("split")
+    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device) if split else (1, in_features)
+    part, counts = split_workspace(out, split_k, tiles, out_features)
+    norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
+    pdl = programmatic_launch(x)
+    _float_gemv_kernel[(tiles, split_k)](
+        x, weight, bias, out, part, counts, out_features, in_features, weight.stride(0), per_split, *norm_args,
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None,
+        ADD_NORM=add_norm is not None, PDL=pdl, num_stages=1, **cfg, **launch_options(pdl))
+    return out, residual_out, sumsq
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                 norm_in: NormScale | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias; with silu_mul (a merged gate/up weight) SiLU(gate) * up [..., N / 2].
+    norm_in: x is one row still to be normalized (an add-norm epilogue's output), whose factor the
+    one-row kernel applies to its outputs (elsewhere x is scaled first). The one-row kernel for one
+    row on Triton, else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
+    if one_row_gemv(x, weight):
+        out, _, _ = _gemv(x.reshape(1, -1).contiguous(), weight, bias, silu_mul, norm_in, None)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    y = F.linear(x if norm_in is None else norm_in.apply(x), weight, bias)
+    return activation.silu_mul(y) if silu_mul else y
+
+
+def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+    """y = x @ W.T + bias, then the residual add and RMSNorm after it, as int4_linear_add_norm: the
+    one-row kernel's add-norm epilogue where it runs and norms fold (kernels/dispatch.py's
+    folds_norms), leaving the norm's factor to the next projection (h * norm_weight, h, NormScale);
+    elsewhere the projection and the norm kernel (normalized, h, None)."""
+    if folds_norms(x) and one_row_gemv(x, weight):
+        out, h, sumsq = _gemv(x.reshape(1, -1).contiguous(), weight, bias, False, None,
+                              (residual.reshape(1, -1), norm_weight))
+        return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
+    return (*rms_norm(float_linear(x, weight, bias), norm_weight, eps, residual), None)

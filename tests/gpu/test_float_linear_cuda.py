@@ -1,0 +1,83 @@
+"""The one-row float GEMV (kernels/float_linear.py) and its epilogues on a CUDA GPU, bf16 and fp16,
+at the projection sizes of the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B shapes, outputs poisoned
+(skipped without a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.activation import silu_mul
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref
+from kernels.rmsnorm import rms_norm
+from tests.gpu.test_kernels_cuda import rel_err
+from tests.gpu.test_quant_kernels_cuda import replayed
+from tests.kernels.conftest import nan_poisoned_allocations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (hidden, merged QKV outputs, intermediate) of each shape.
+MODELS = {"qwen2.5-0.5b": (896, 1152, 4864), "llama-3.2-1b": (2048, 3072, 8192), "llama-3.1-8b": (4096, 6144, 14336)}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def projections(hidden: int, qkv: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of a layer's four projections."""
+    return {"qkv": (hidden, qkv), "o": (hidden, hidden), "gate_up": (hidden, 2 * intermediate),
+            "down": (intermediate, hidden)}
+
+
+def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(out_features, in_features, device="cuda") * in_features**-0.5).to(dtype)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+def test_one_row_gemv_against_the_reference(model: str, dtype: torch.dtype) -> None:
+    for name, (k, n) in projections(*MODELS[model]).items():
+        w = weight(k, n, dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv" else None
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        with nan_poisoned_allocations():
+            out = float_linear(x, w, bias)
+        ref = float_linear_ref(x.float(), w.float(), None if bias is None else bias.float())
+        assert rel_err(out, ref) < 1e-2, name
+        if name == "gate_up":
+            with nan_poisoned_allocations():
+                fused = float_linear(x, w, silu_mul=True)
+            assert torch.equal(fused, silu_mul(float_linear(x, w))), name
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+def test_norm_folded_into_the_one_row_gemvs(model: str, dtype: torch.dtype) -> None:
+    """Batch-1 decode's folded norm: o_proj and down_proj end in the add-norm epilogue, gate/up
+    (SiLU·up) and QKV scale their outputs by its NormScale; against rms_norm between the plain
+    projections. Then the chain replayed in a CUDA graph with PDL gives the eager chain's output
+    bit for bit."""
+    shapes = projections(*MODELS[model])
+    hidden = shapes["o"][1]
+    residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
+    chain = []
+    for producer, consumer, silu in (("o", "gate_up", True), ("down", "qkv", False)):
+        wp, wc = weight(*shapes[producer], dtype), weight(*shapes[consumer], dtype)
+        x = torch.randn(1, shapes[producer][0], device="cuda", dtype=dtype)
+        with nan_poisoned_allocations():
+            u, h, scale = float_linear_add_norm(x, wp, None, residual, norm, 1e-5)
+            out = float_linear(u, wc, silu_mul=silu, norm_in=scale)
+        normed, new_residual = rms_norm(float_linear(x, wp), norm, 1e-5, residual)
+        assert rel_err(h, new_residual) < 1e-3
+        assert rel_err(scale.apply(u), normed) < 1e-2
+        assert rel_err(out, float_linear(normed, wc, silu_mul=silu)) < 1e-2
+        chain.append((x, wp, wc, silu))
+
+    def step() -> torch.Tensor:
+        r, outs = residual, []
+        for x, wp, wc, silu in chain:
+            u, r, scale = float_linear_add_norm(x, wp, None, r, norm, 1e-5)
+            outs.append(float_linear(u, wc, silu_mul=silu, norm_in=scale))
+        return torch.cat([o.flatten() for o in outs] + [r.flatten()])
+
+    assert torch.equal(replayed(step, pdl=True), step())

@@ -1,0 +1,127 @@
+"""The one-row float GEMV (kernels/float_linear.py) against the torch reference on CPU through
+Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong), with its
+epilogues: SiLU·up, the add-norm and the next projection's norm factor. tests/gpu covers bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.split_k as split_k_module
+from kernels.activation import silu_mul
+from kernels.dispatch import unfolded_norms
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, gemv_config, one_row_gemv
+from kernels.rmsnorm import add_norm_ref, rms_norm_ref
+from kernels.split_k import _TILE_COUNTS, gemv_split
+from tests.kernels.conftest import nan_poisoned_allocations
+
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _weights(gen: torch.Generator, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (3, False)], ids=["gemv", "gemv-large", "matmul"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, rows, large, with_bias) -> None:
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
+    gen = torch.Generator().manual_seed(rows)
+    in_features, out_features = 160, 200  # a partial K step and a partial row tile
+    weight = _weights(gen, out_features, in_features, dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    assert one_row_gemv(x, weight) == (rows == 1)
+    with nan_poisoned_allocations():
+        out = float_linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, float_linear_ref(x, weight, bias), **TOLERANCE[dtype])
+
+
+def test_one_row_tiling_by_weight_size() -> None:
+    # Llama-3.2-1B in bf16: QKV and O in small programs holding whole rows, gate/up and down in the large tiling.
+    assert gemv_config(3072, 2048, 2) == dict(ROWS=4, BLOCK_K=2048, num_warps=4, split=False)
+    assert gemv_config(64, 160, 4)["BLOCK_K"] == 256 and gemv_config(896, 4864, 2)["BLOCK_K"] == 2048
+    assert gemv_config(16384, 2048, 2) == gemv_config(2048, 8192, 2) == dict(ROWS=16, BLOCK_K=128, num_warps=2,
+                                                                             split=True)
+
+
+def test_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter, monkeypatch) -> None:
+    # 48 rows are 3 row tiles of the large tiling: far under four programs per SM, so K is split
+    # (1,024 float32 inputs in 64-input steps).
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
+    gen = torch.Generator().manual_seed(6)
+    weight = _weights(gen, 48, 1024, torch.float32)
+    x = torch.randn(1, 1024, generator=gen)
+    assert gemv_split(3, 1024, 64, x.device)[0] == 16
+    with nan_poisoned_allocations():
+        first = float_linear(x, weight)
+    assert not _TILE_COUNTS[x.device].any()
+    torch.testing.assert_close(float_linear(x, weight), first, rtol=0, atol=0)
+    torch.testing.assert_close(first, float_linear_ref(x, weight), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 202), (True, 256, 200), (True, 1024, 48)],
+                         ids=["partial-pairs", "large-partial-pairs", "large-split-k"])
+def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, monkeypatch, dtype, large,
+                                                                    in_features, out_features) -> None:
+    # SiLU·up in the epilogue rounds gate and up to x's dtype first: bit for bit the projection
+    # followed by silu_mul.
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
+    gen = torch.Generator().manual_seed(in_features)
+    weight = _weights(gen, out_features, in_features, dtype)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        fused = float_linear(x, weight, bias, silu_mul=True)
+        apart = silu_mul(float_linear(x, weight, bias))
+    assert fused.shape == (1, out_features // 2) and torch.equal(fused, apart)
+    torch.testing.assert_close(fused, float_linear_ref(x, weight, bias, silu_mul=True), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 202), (True, 256, 208), (True, 4096, 48)],
+                         ids=["small", "large", "large-split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, large,
+                                                            in_features, out_features) -> None:
+    # The add-norm epilogue is add_norm_ref on the kernel's own projection; the NormScale's factor
+    # on the next projection's outputs is that factor applied to its input.
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
+    gen = torch.Generator().manual_seed(in_features + out_features)
+    weight = _weights(gen, out_features, in_features, dtype)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    residual = torch.randn(1, out_features, generator=gen).to(dtype)
+    norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    with nan_poisoned_allocations():
+        u, h, norm = float_linear_add_norm(x, weight, bias, residual, norm_w, 1e-5)
+    y = float_linear(x, weight, bias)
+    ref_u, ref_h, ref_norm = add_norm_ref(y, residual, norm_w, 1e-5)
+    assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
+    assert norm.sumsq.shape == (-(-out_features // (16 if large else 4)),)
+    torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(norm.apply(u), rms_norm_ref(y, norm_w, 1e-5, residual)[0], **TOLERANCE[dtype])
+    w2 = _weights(gen, 96, out_features, dtype)
+    with nan_poisoned_allocations():
+        out = float_linear(u, w2, silu_mul=True, norm_in=norm)
+    torch.testing.assert_close(out, float_linear_ref(norm.apply(u), w2, silu_mul=True), **TOLERANCE[dtype])
+
+
+def test_add_norm_is_the_norm_kernel_where_norms_do_not_fold(triton_interpreter) -> None:
+    # Several rows, or inside unfolded_norms(): the projection, then the norm (exactly normalized, no NormScale).
+    gen = torch.Generator().manual_seed(3)
+    weight = _weights(gen, 64, 32, torch.float32)
+    norm_w = torch.rand(64, generator=gen) + 0.5
+    for rows, context in ((2, None), (1, unfolded_norms)):
+        x = torch.randn(rows, 32, generator=gen)
+        residual = torch.randn(rows, 64, generator=gen)
+        if context is None:
+            normed, h, norm = float_linear_add_norm(x, weight, None, residual, norm_w, 1e-5)
+        else:
+            with context():
+                normed, h, norm = float_linear_add_norm(x, weight, None, residual, norm_w, 1e-5)
+        ref, ref_h = rms_norm_ref(float_linear(x, weight), norm_w, 1e-5, residual)
+        assert norm is None and torch.equal(h, ref_h)
+        torch.testing.assert_close(normed, ref, **TOLERANCE[torch.float32])
