@@ -26,7 +26,9 @@ def run_side(tree: Path, commit: str, gpu_args: list[str], timeout_s: float, log
     """One bench/gpu.py run from `tree`; its JSON (rows and floor)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "gpu.json"
-        env = dict(os.environ, MINILLM_COMMIT=commit, PYTHONPATH=str(tree))
+        # The tree first, then whatever the caller put on the path (the device's carried wheels).
+        path = os.pathsep.join(p for p in (str(tree.resolve()), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, MINILLM_COMMIT=commit, PYTHONPATH=path)
         with log.open("a") as f:
             f.write(f"\n==== {tree} ({commit}) ====\n")
             f.flush()

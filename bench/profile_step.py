@@ -79,10 +79,12 @@ def main() -> None:
             for _ in range(5):
                 graph.graph.replay()
             torch.cuda.synchronize()
-        print(f"\nbatch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
-              f"host and sampling {step_ms - replay_ms:.3f} ms ({(step_ms - replay_ms) / step_ms:.0%})")
-        print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
         averages = prof.key_averages()
+        kernels = sum(e.count for e in averages) / 5  # the replay's launches (kernels, memsets, copies)
+        print(f"\nbatch {batch}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
+              f"host and sampling {step_ms - replay_ms:.3f} ms ({(step_ms - replay_ms) / step_ms:.0%}), "
+              f"{kernels:.0f} kernels a step")
+        print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
         try:
             print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))
         except (AttributeError, KeyError):  # older torch names it cuda_time_total
