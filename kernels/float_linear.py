@@ -17,6 +17,7 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
+from kernels.rope import RopeKV, rope_operands, rope_rows, rope_store_qkv, store_rope_kv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, one_row_rows,
                              split_workspace, store_add_norm, store_one_row, sum_splits)
 
@@ -32,13 +33,22 @@ def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _float_gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, k_per_split,
     in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, BLOCK_K inputs a step (split along K when the rows
     alone leave SMs idle). Each thread keeps float32 sums per weight it reads, reduced once at the
-    end. SILU_MUL, NORM_IN and ADD_NORM: as in kernels/int4_linear.py's one-row kernel."""
-    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    end. SILU_MUL, NORM_IN and ADD_NORM: as in kernels/int4_linear.py's one-row kernel. ROPE: a
+    merged QKV weight whose epilogue is kernels/rope.py's store_rope_kv (out is then q)."""
+    if ROPE:
+        rows, row_ok = rope_rows(N, ROWS, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                       out_ptr.dtype.element_ty, ROWS, HALF)
+    else:
+        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     k_begin = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -63,6 +73,12 @@ def _float_gemv_kernel(
     if ADD_NORM:
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
         store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
+    elif ROPE:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        store_rope_kv(y, ok, slot, cos, sin, out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
+                      num_heads, num_kv_heads, ROWS, HALF)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -85,25 +101,37 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-          norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None
+          norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None = None
           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One row x [1, K] through _float_gemv_kernel: out [1, N] ([1, N / 2] with silu_mul); with
     add_norm (residual [1, N], norm weight [N]) out is h * norm weight, and the new residual h and
-    the sums of squares per row tile come too (else None, None)."""
+    the sums of squares per row tile come too (else None, None); with rope, out is the rotated q
+    [1, heads, head_dim] and k and v are in the caches."""
     out_features, in_features = weight.shape
     outputs = out_features // 2 if silu_mul else out_features
-    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
     cfg = gemv_config(out_features, in_features, weight.element_size())
     split = cfg.pop("split")
-    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    paired = silu_mul or rope is not None  # a program's rows are ROWS / 2 pairs
+    tiles = triton.cdiv(out_features // 2 if paired else out_features, cfg["ROWS"] // 2 if paired else cfg["ROWS"])
+    if rope is None:
+        out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+        rope_args: tuple = (out,) * 3 + (0,) + (out,) * 2 + (0,) * 4
+    else:
+        out = torch.empty(1, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+        k_flat = rope.k_cache.view(-1, rope.num_kv_heads, rope.head_dim)
+        v_flat = rope.v_cache.view(-1, rope.num_kv_heads, rope.head_dim)
+        assert k_flat.stride() == v_flat.stride() and k_flat.stride(-1) == 1 and rope.cos_sin.is_contiguous()
+        rope_args = (rope.positions, rope.slot_mapping, rope.cos_sin, rope.cos_sin.stride(0), k_flat, v_flat,
+                     k_flat.stride(0), k_flat.stride(1), rope.num_heads, rope.num_kv_heads)
     split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device) if split else (1, in_features)
-    part, counts = split_workspace(out, split_k, tiles, out_features)
+    part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _float_gemv_kernel[(tiles, split_k)](
         x, weight, bias, out, part, counts, out_features, in_features, weight.stride(0), per_split, *norm_args,
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None,
-        ADD_NORM=add_norm is not None, PDL=pdl, num_stages=1, **cfg, **launch_options(pdl))
+        *rope_args, HAS_BIAS=bias is not None, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None,
+        ADD_NORM=add_norm is not None, ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl,
+        num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
@@ -132,3 +160,15 @@ def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                               (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(float_linear(x, weight, bias), norm_weight, eps, residual), None)
+
+
+def float_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_in: NormScale | None,
+                         rope: RopeKV) -> torch.Tensor:
+    """A merged QKV projection, then RoPE and the KV write (kernels/rope.py's rope_store_kv): the
+    rotated q [tokens, heads, head_dim]. For one row on Triton, one kernel: the GEMV with
+    store_rope_kv as its epilogue; elsewhere the projection, then rope_store_kv."""
+    if one_row_gemv(x, weight) and rope.head_dim % 2 == 0:
+        q, _, _ = _gemv(x.reshape(1, -1).contiguous(), weight, bias, False, norm_in, None, rope)
+        return q
+    return rope_store_qkv(float_linear(x, weight, bias, norm_in=norm_in), rope)
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,6 +122,60 @@ def _rope_store_kv_kernel(
     tl.store(cache + half, tl.load(v + half, mask=mask).to(out_dtype), mask=mask)
 
 
+@triton.jit
+def rope_rows(N, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """(rows [ROWS], row_ok) of a one-row QKV kernel's program whose epilogue is store_rope_kv: its
+    ROWS / 2 pairs, each feature d < HALF of a head followed by its partner d + HALF, the two that
+    RoPE rotates together (over a merged [q heads, k heads, v heads] x head_dim output of N)."""
+    r = tl.arange(0, ROWS)
+    pair = tl.program_id(0) * (ROWS // 2) + r // 2
+    rows = (pair // HALF) * (2 * HALF) + pair % HALF + (r % 2) * HALF
+    return rows, pair < N // 2
+
+
+@triton.jit
+def rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
+                  ROWS: tl.constexpr, HALF: tl.constexpr):
+    """store_rope_kv's inputs for one token (the one-row kernels' only one): its slot, and cos and sin
+    [ROWS / 2] of the program's pairs, rounded to dtype as rope_store_kv's kernel does. Host copies
+    wrote them before the step: they may be read before the wait for the previous kernel."""
+    pos = tl.load(positions_ptr)
+    slot = tl.load(slot_mapping_ptr).to(tl.int64)
+    d = (tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)) % HALF
+    table = cos_sin_ptr + pos * cos_sin_stride + d
+    return slot, tl.load(table).to(dtype).to(tl.float32), tl.load(table + HALF).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def store_rope_kv(y, row_ok, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
+                  num_heads, num_kv_heads, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """A one-row QKV kernel's float32 outputs y [ROWS] for rope_rows' rows, rounded to the
+    projection's dtype, then what rope_store_kv's kernel does with them: q and k heads rotated, q
+    into q_out [heads, 2 * HALF], k and v into the caches at the token's slot. Bit for bit the
+    projection followed by that kernel."""
+    x1, x2 = tl.split(tl.reshape(y.to(q_out_ptr.dtype.element_ty).to(tl.float32), [ROWS // 2, 2]))
+    ok, _ = tl.split(tl.reshape(row_ok.to(tl.int32), [ROWS // 2, 2]))
+    ok = ok != 0
+    pair = tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)
+    head = pair // HALF
+    d = pair % HALF
+    rotated = head < num_heads + num_kv_heads
+    in_dtype = q_out_ptr.dtype.element_ty
+    o1 = tl.where(rotated, x1 * cos - x2 * sin, x1).to(in_dtype)
+    o2 = tl.where(rotated, x2 * cos + x1 * sin, x2).to(in_dtype)
+    q = q_out_ptr + head * (2 * HALF) + d
+    tl.store(q, o1, mask=ok & (head < num_heads))
+    tl.store(q + HALF, o2, mask=ok & (head < num_heads))
+    is_k = ok & (head >= num_heads) & rotated
+    kv_head = tl.where(is_k, head - num_heads, head - num_heads - num_kv_heads)
+    cache = slot * cache_stride_slot + kv_head.to(tl.int64) * cache_stride_h + d
+    is_v = ok & ~rotated
+    tl.store(k_cache_ptr + cache, o1, mask=is_k)
+    tl.store(k_cache_ptr + cache + HALF, o2, mask=is_k)
+    tl.store(v_cache_ptr + cache, o1, mask=is_v)
+    tl.store(v_cache_ptr + cache + HALF, o2, mask=is_v)
+
+
 def rope_store_kv_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,3 +226,28 @@ def rope_store_kv(
     if use_triton(q):
         return rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     return rope_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+
+@dataclass(frozen=True)
+class RopeKV:
+    """What a merged QKV projection's RoPE epilogue needs (rope_store_kv's arguments but q, k, v):
+    the token's position and slot, the cos/sin table, the caches [blocks, block_size, KV, D]."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def rope_store_qkv(qkv: torch.Tensor, rope: RopeKV) -> torch.Tensor:
+    """rope_store_kv on a merged QKV projection's output [tokens, (heads + 2 KV heads) * head_dim]:
+    the rotated q [tokens, heads, head_dim]."""
+    tokens, d = qkv.shape[0], rope.head_dim
+    q, k, v = qkv.split([rope.num_heads * d, rope.num_kv_heads * d, rope.num_kv_heads * d], dim=-1)
+    return rope_store_kv(q.view(tokens, rope.num_heads, d), k.view(tokens, rope.num_kv_heads, d),
+                         v.view(tokens, rope.num_kv_heads, d), rope.positions, rope.cos_sin, rope.k_cache,
+                         rope.v_cache, rope.slot_mapping)

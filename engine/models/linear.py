@@ -13,11 +13,12 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.dispatch import folds_norms
-from kernels.float_linear import float_linear, float_linear_add_norm
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, one_row_gemv
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm
 from kernels.rmsnorm import NormScale, rms_norm
+from kernels.rope import RopeKV, rope_store_qkv
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -45,6 +46,11 @@ class Projection(nn.Module):
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         raise NotImplementedError
 
+    def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
+        q [tokens, heads, head_dim]. Formats with a one-row kernel for it override this."""
+        return rope_store_qkv(self(x, norm_in=norm_in), rope)
+
 
 class Linear(Projection):
     """y = x W^T + b with W [out_features, in_features] in the model's dtype."""
@@ -62,6 +68,11 @@ class Linear(Projection):
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
+
+    def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        if one_row_gemv(x, self.weight):  # the GEMV with RoPE and the KV write in its epilogue
+            return float_linear_rope_kv(x, self.weight, self.bias, norm_in, rope)
+        return super().rope_store_kv(x, norm_in, rope)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)

@@ -21,7 +21,7 @@ from engine.models.linear import Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv
+from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
 
 
 class DecoderLayer(nn.Module):
@@ -36,7 +36,6 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.qkv_split = [q_size, kv_size, kv_size]
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.qkv_proj = make_linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, quant)
         self.o_proj = make_linear(q_size, cfg.hidden_size, False, dtype, quant)
@@ -80,14 +79,11 @@ class DecoderLayer(nn.Module):
     def attend(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                cos_sin: torch.Tensor, norm_in: NormScale | None = None) -> torch.Tensor:
         """QKV, RoPE and attention: o_proj's input [tokens, q heads * head_dim]."""
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden, norm_in=norm_in).split(self.qkv_split, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(tokens, -1)
+        rope = RopeKV(positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                      self.head_dim)
+        q = self.qkv_proj.rope_store_kv(hidden, norm_in, rope)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(hidden.shape[0], -1)
 
 
 class DecoderModel(nn.Module):

@@ -1,14 +1,15 @@
 """The one-row float GEMV (kernels/float_linear.py) and its epilogues on a CUDA GPU, bf16 and fp16,
 at the projection sizes of the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B shapes, outputs poisoned
-(skipped without a GPU)."""
+(skipped without a GPU): SiLU·up, the folded norm, and RoPE with the KV write."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.activation import silu_mul
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv
 from kernels.rmsnorm import rms_norm
+from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.gpu.test_quant_kernels_cuda import replayed
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -81,3 +82,29 @@ def test_norm_folded_into_the_one_row_gemvs(model: str, dtype: torch.dtype) -> N
         return torch.cat([o.flatten() for o in outs] + [r.flatten()])
 
     assert torch.equal(replayed(step, pdl=True), step())
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype) -> None:
+    """The QKV GEMV with RoPE and the KV write as its epilogue: bit for bit the projection followed
+    by rope_store_kv's kernel (q, and both caches), with a Qwen2-style bias."""
+    hidden, qkv, _ = MODELS[model]
+    head_dim = 64 if hidden < 4096 else 128
+    kv_heads = {896: 2, 2048: 8, 4096: 8}[hidden]
+    heads = qkv // head_dim - 2 * kv_heads
+    w, bias = weight(hidden, qkv, dtype), torch.randn(qkv, device="cuda", dtype=dtype)
+    x = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
+    caches = [cache.clone(), cache.clone()]
+
+    def rope(c: torch.Tensor) -> RopeKV:
+        return RopeKV(torch.tensor([3001], device="cuda"), cos_sin, c[0], c[1], torch.tensor([517], device="cuda"),
+                      heads, kv_heads, head_dim)
+
+    with nan_poisoned_allocations():
+        q = float_linear_rope_kv(x, w, bias, None, rope(caches[0]))
+    assert torch.equal(q, rope_store_qkv(float_linear(x, w, bias), rope(caches[1])))
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)
