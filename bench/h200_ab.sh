@@ -22,6 +22,6 @@ for side in base head; do
   echo "profile $side: $(grep -E '^batch' "$OUT/profile-$side.log" | tr '\n' ' ')"
 done
 PYTHONPATH=/tmp/site timeout "${AB_S:-330}" python3 bench/ab.py --base .base --base-commit "$BASE_COMMIT" --head . \
-  --head-commit "$MINILLM_COMMIT" --rounds "${ROUNDS:-2}" --out "$OUT/ab.json" -- ${AB_ARGS:-} > "$OUT/ab.log" 2>&1
-echo "ab: rc=$?"
-sed -n '/^| /,$p' "$OUT/ab.log" | tail -40
+  --head-commit "$MINILLM_COMMIT" --rounds "${ROUNDS:-2}" --out "$OUT/ab.json" -- ${AB_ARGS:-} > "$OUT/ab-summary.log" 2>&1
+echo "ab: rc=$? (bench/gpu.py's output: $OUT/ab.log)"
+sed -n '/^| /,$p' "$OUT/ab-summary.log" | tail -40
