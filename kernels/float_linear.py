@@ -17,9 +17,9 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_operands, rope_rows, rope_store_qkv, store_rope_kv
+from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, one_row_rows,
-                             split_workspace, store_add_norm, store_one_row, sum_splits)
+                             split_workspace, store_add_norm, store_one_row, store_rope, sum_splits)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -74,11 +74,9 @@ def _float_gemv_kernel(
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
         store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
     elif ROPE:
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-        store_rope_kv(y, ok, slot, cos, sin, out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
-                      num_heads, num_kv_heads, ROWS, HALF)
+        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
+                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
+                   HALF)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -113,16 +111,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     split = cfg.pop("split")
     paired = silu_mul or rope is not None  # a program's rows are ROWS / 2 pairs
     tiles = triton.cdiv(out_features // 2 if paired else out_features, cfg["ROWS"] // 2 if paired else cfg["ROWS"])
-    if rope is None:
-        out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-        rope_args: tuple = (out,) * 3 + (0,) + (out,) * 2 + (0,) * 4
-    else:
-        out = torch.empty(1, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
-        k_flat = rope.k_cache.view(-1, rope.num_kv_heads, rope.head_dim)
-        v_flat = rope.v_cache.view(-1, rope.num_kv_heads, rope.head_dim)
-        assert k_flat.stride() == v_flat.stride() and k_flat.stride(-1) == 1 and rope.cos_sin.is_contiguous()
-        rope_args = (rope.positions, rope.slot_mapping, rope.cos_sin, rope.cos_sin.stride(0), k_flat, v_flat,
-                     k_flat.stride(0), k_flat.stride(1), rope.num_heads, rope.num_kv_heads)
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device) if q is None else q
     split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device) if split else (1, in_features)
     part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)

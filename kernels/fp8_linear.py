@@ -23,9 +23,10 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
+from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
-                             sum_splits, tile_coords)
+                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_rope,
+                             store_tile, sum_splits, tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -119,16 +120,24 @@ def _e4m3x4_to_f32(words):
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, words_per_split, sign_exp_man,
     in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr, CVT: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+    CVT: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, read as int32 words of four e4m3 bytes (split along K
     when the rows alone leave SMs idle). Each thread keeps float32 sums per word it reads, reduced
     once at the end; x is read four times with a stride of 4 (from L1), so no cross-thread shuffles
     per step. CVT: decode with the hardware conversion (GPU); else with integer ops (the exact
-    same values, and what Triton's CPU interpreter can run). SILU_MUL, NORM_IN and ADD_NORM: as in
-    the INT4 one."""
-    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    same values, and what Triton's CPU interpreter can run). SILU_MUL, NORM_IN, ADD_NORM and ROPE:
+    as in the INT4 one."""
+    if ROPE:
+        rows, row_ok = rope_rows(N, ROWS, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                       out_ptr.dtype.element_ty, ROWS, HALF)
+    else:
+        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, K // 4)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -169,6 +178,10 @@ def _fp8_gemv_kernel(
     if ADD_NORM:
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
         store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
+    elif ROPE:
+        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
+                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
+                   HALF)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -224,26 +237,30 @@ def gemv_config(out_features: int, in_features: int) -> dict[str, int]:
 
 
 def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-              silu_mul: bool, norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+              silu_mul: bool, norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None,
+              rope: RopeKV | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One row x [1, K] through _fp8_gemv_kernel (tiled by gemv_config): [1, N], or [1, N / 2] with
-    silu_mul (and, with add_norm, the new residual and the sums of squares: int4_linear's _one_row)."""
+    silu_mul (and, with add_norm, the new residual and the sums of squares; with rope, the rotated q:
+    int4_linear's _one_row)."""
     out_features, in_features = weight.shape
     words = weight.view(torch.uint8).view(torch.int32)
     outputs = out_features // 2 if silu_mul else out_features
-    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device) if q is None else q
     cfg = gemv_config(out_features, in_features)
     split = cfg.pop("split")
-    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
+    paired = silu_mul or rope is not None  # a program's rows are ROWS / 2 pairs
+    tiles = triton.cdiv(out_features // 2 if paired else out_features, cfg["ROWS"] // 2 if paired else cfg["ROWS"])
     split_k, per_split = gemv_split(tiles, in_features // 4, cfg["BLOCK_W"], x.device) if split else (1, in_features // 4)
-    part, counts = split_workspace(out, split_k, tiles, out_features)
+    part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_gemv_kernel[(tiles, split_k)](
         x, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
-        in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, HAS_BIAS=bias is not None,
+        in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, *rope_args, HAS_BIAS=bias is not None,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        PDL=pdl, CVT=_has_e4m3_cvt(x.device), num_stages=1, **cfg, **launch_options(pdl))
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, CVT=_has_e4m3_cvt(x.device),
+        num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
@@ -335,3 +352,14 @@ def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                                   (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(fp8_linear(x, weight, weight_scale, bias), norm_weight, eps, residual), None)
+
+
+def fp8_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+    """As int4_linear_rope_kv, for an FP8 weight: the rotated q [1, heads, head_dim] from the one-row
+    kernel's RoPE epilogue where it runs, else fp8_linear and rope_store_kv."""
+    x2 = x.reshape(-1, weight.shape[1])
+    if use_triton(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight) and rope.head_dim % 2 == 0:
+        q, _, _ = _fp8_gemv(x2.contiguous(), weight, weight_scale, bias, False, norm_in, None, rope)
+        return q
+    return rope_store_qkv(fp8_linear(x, weight, weight_scale, bias, norm_in=norm_in), rope)

@@ -23,9 +23,10 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
+from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_tile,
-                             sum_splits, tile_coords)
+                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_rope,
+                             store_tile, sum_splits, tile_coords)
 
 # Above this many rows (prefill chunks) the weight is dequantized into x's dtype once and the
 # product is cuBLAS's; up to it, the tile GEMM reads the 4-bit weights directly. 1,024 lies between
@@ -99,8 +100,11 @@ def _add_nibble_pair(sums, t, one_bits, sixteen_bits, x_even, x_odd):
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
     words_per_split, one_bits, in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, BLOCK_W words of each per step (whole groups; split
     along K when the rows alone leave SMs idle). No int-to-float conversion: one shift brings two
@@ -115,10 +119,15 @@ def _int4_gemv_kernel(
     [ROWS, groups, words] tiles Triton may give a thread fewer rows). SILU_MUL: the weight is a
     merged gate/up [N, K] and the output SiLU(gate) * up [N / 2] (store_one_row). NORM_IN: x is a
     NormScale's row, whose factor scales the outputs; ADD_NORM: the add-norm epilogue
-    (store_add_norm)."""
+    (store_add_norm); ROPE: a merged QKV weight, RoPE and the KV write in the epilogue (store_rope)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
-    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    if ROPE:
+        rows, row_ok = rope_rows(N, ROWS, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                       out_ptr.dtype.element_ty, ROWS, HALF)
+    else:
+        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split
     # Split ends are whole groups (GROUP divides K, and words_per_split is whole steps): telling
     # Triton keeps the word masks constant over 4 words, so the loads stay 16 bytes wide.
@@ -156,6 +165,10 @@ def _int4_gemv_kernel(
     if ADD_NORM:  # no SiLU
         y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
         store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
+    elif ROPE:
+        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
+                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
+                   HALF)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
@@ -277,26 +290,29 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
              bias: torch.Tensor | None, silu_mul: bool, norm_in: NormScale | None,
-             add_norm: tuple[torch.Tensor, torch.Tensor] | None
+             add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [1, K] through the GEMV, tiled by weight size (gemv_config): out [1, N] ([1, N / 2]
     with silu_mul); with add_norm (residual [1, N], norm weight [N]), out is h * norm weight, and
-    the new residual h and the sums of squares per row tile come too (else None, None)."""
+    the new residual h and the sums of squares per row tile come too (else None, None); with rope,
+    out is the rotated q [1, heads, head_dim] and k and v are in the caches."""
     out_features, words = weight.shape
     in_features = words * 8
     cfg = gemv_config(out_features, in_features, group_size)
     outputs = out_features // 2 if silu_mul else out_features
-    tiles = triton.cdiv(outputs, cfg["ROWS"] // 2 if silu_mul else cfg["ROWS"])
-    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    paired = silu_mul or rope is not None  # a program's rows are ROWS / 2 pairs
+    tiles = triton.cdiv(out_features // 2 if paired else out_features, cfg["ROWS"] // 2 if paired else cfg["ROWS"])
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(1, outputs, dtype=x.dtype, device=x.device) if q is None else q
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     split_k, per_split = gemv_split(tiles, words, cfg["BLOCK_W"], x.device)
-    part, counts = split_workspace(out, split_k, tiles, out_features)
+    part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
     _int4_gemv_kernel[(tiles, split_k)](
         x, weight, zeros, scales, bias, out, part, counts, out_features, in_features, weight.stride(0),
-        zeros.stride(0), per_split, ONE_BITS, *norm_args, HAS_BIAS=bias is not None, GROUP=group_size,
-        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None, PDL=pdl,
-        **cfg, **launch_options(pdl))
+        zeros.stride(0), per_split, ONE_BITS, *norm_args, *rope_args, HAS_BIAS=bias is not None, GROUP=group_size,
+        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
@@ -357,3 +373,16 @@ def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Ten
                                  group_size, bias, False, None, (residual.reshape(1, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(int4_linear(x, weight, zeros, scales, group_size, bias), norm_weight, eps, residual), None)
+
+
+def int4_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                        group_size: int, bias: torch.Tensor | None, norm_in: NormScale | None, rope: RopeKV
+                        ) -> torch.Tensor:
+    """A merged QKV projection of one row x [1, K], then RoPE and the KV write, in the GEMV's
+    epilogue (kernels/float_linear.py's float_linear_rope_kv): the rotated q [1, heads, head_dim].
+    Elsewhere the projection, then rope_store_kv."""
+    if use_triton(x) and x.numel() == x.shape[-1] and rope.head_dim % 2 == 0:
+        q, _, _ = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size), group_size,
+                           bias, False, norm_in, None, rope)
+        return q
+    return rope_store_qkv(int4_linear(x, weight, zeros, scales, group_size, bias, norm_in=norm_in), rope)

@@ -251,3 +251,17 @@ def rope_store_qkv(qkv: torch.Tensor, rope: RopeKV) -> torch.Tensor:
     return rope_store_kv(q.view(tokens, rope.num_heads, d), k.view(tokens, rope.num_kv_heads, d),
                          v.view(tokens, rope.num_kv_heads, d), rope.positions, rope.cos_sin, rope.k_cache,
                          rope.v_cache, rope.slot_mapping)
+
+
+def rope_arguments(x: torch.Tensor, rope: RopeKV | None) -> tuple[torch.Tensor | None, tuple]:
+    """A one-row kernel's RoPE arguments, in its signature's order (positions, slot mapping, cos/sin
+    table and its row stride, the caches as [slots, KV, D] and their slot and head strides, heads,
+    KV heads), and the q it writes, [1, heads, head_dim]; without rope, None and stand-ins (x)."""
+    if rope is None:
+        return None, (x,) * 3 + (0,) + (x,) * 2 + (0,) * 4
+    k_flat = rope.k_cache.view(-1, rope.num_kv_heads, rope.head_dim)
+    v_flat = rope.v_cache.view(-1, rope.num_kv_heads, rope.head_dim)
+    assert k_flat.stride() == v_flat.stride() and k_flat.stride(-1) == 1 and rope.cos_sin.is_contiguous()
+    q = torch.empty(1, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+    return q, (rope.positions, rope.slot_mapping, rope.cos_sin, rope.cos_sin.stride(0), k_flat, v_flat,
+               k_flat.stride(0), k_flat.stride(1), rope.num_heads, rope.num_kv_heads)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels.dispatch import sm_count
 from kernels.rmsnorm import NormScale
+from kernels.rope import store_rope_kv
 
 # Weights (N x K) from which the one-row kernels take their large tiling (large_tiling).
 LARGE_TILING_MIN_WEIGHTS = 8 << 20
@@ -98,6 +99,20 @@ def store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HA
         tl.store(out_ptr + pairs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
     else:
         store_tile(y[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr,
+               cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """A one-row merged-QKV kernel's float32 outputs y [ROWS] for kernels/rope.py's rope_rows,
+    splits summed and bias added, through store_rope_kv: q rotated into q_out, k and v into the
+    caches (rope_operands gave slot, cos and sin)."""
+    y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    store_rope_kv(y, ok, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
+                  num_heads, num_kv_heads, ROWS, HALF)
 
 
 @triton.jit

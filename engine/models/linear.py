@@ -12,11 +12,11 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
-from kernels.dispatch import folds_norms
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, one_row_gemv
-from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, quantize_fp8
+from kernels.dispatch import folds_norms, use_triton
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv
+from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
-from kernels.int4_linear import int4_linear, int4_linear_add_norm
+from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_store_qkv
 
@@ -48,8 +48,14 @@ class Projection(nn.Module):
 
     def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
-        q [tokens, heads, head_dim]. Formats with a one-row kernel for it override this."""
-        return rope_store_qkv(self(x, norm_in=norm_in), rope)
+        q [tokens, heads, head_dim]; for one row on Triton, the format's one-row kernel with both in
+        its epilogue."""
+        if use_triton(x) and x.numel() == x.shape[-1]:
+            return self.one_row_rope_kv(x, norm_in, rope)
+        return rope_store_qkv(self(x, norm_in=norm_in), rope)  # self(x): forward hooks see it
+
+    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Linear(Projection):
@@ -69,10 +75,8 @@ class Linear(Projection):
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
 
-    def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
-        if one_row_gemv(x, self.weight):  # the GEMV with RoPE and the KV write in its epilogue
-            return float_linear_rope_kv(x, self.weight, self.bias, norm_in, rope)
-        return super().rope_store_kv(x, norm_in, rope)
+    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        return float_linear_rope_kv(x, self.weight, self.bias, norm_in, rope)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         getattr(self, leaf).narrow(0, start, size).copy_(tensor)
@@ -128,6 +132,10 @@ class Int4Linear(Projection):
         return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                     self.bias, residual, norm_weight, eps)
 
+    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        return int4_linear_rope_kv(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
+                                   self.bias, norm_in, rope)
+
     def _runtime_weight(self) -> nn.Parameter:
         if self.weight is None:
             raise RuntimeError("Int4Linear is still in AWQ's checkpoint layout: call repack() once it is loaded.")
@@ -181,6 +189,9 @@ class Fp8Linear(Projection):
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
+
+    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+        return fp8_linear_rope_kv(x, self.weight, self.weight_scale, self.bias, norm_in, rope)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
         if leaf == "weight" and tensor.dtype != FP8:  # a float checkpoint, quantized as it loads

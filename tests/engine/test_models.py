@@ -63,21 +63,23 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
 def test_batch1_decode_folds_the_norms_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
                                                                  shape: str) -> None:
-    """One token through a float model on the Triton kernels runs 2 norm kernels, not 2L + 1: the
-    one-row GEMVs' add-norm epilogues and scaled outputs do the rest, and the logits are the
+    """One token through a float model on the Triton kernels runs 2 norm kernels, not 2L + 1, and no
+    RoPE kernel: the one-row GEMVs' epilogues and scaled outputs do the rest, and the logits are the
     unfolded path's and transformers'. The same forward serves several rows, where nothing folds."""
     import kernels.rmsnorm as rmsnorm
+    import kernels.rope as rope
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
     from kernels.dispatch import unfolded_norms
 
     path, hf = tiny_model_dir(shape)
     model = load_model(path, torch.float32, torch.device("cpu"))
-    calls = []
-    norm_kernel = rmsnorm.rms_norm_triton
+    calls, rope_calls = [], []
+    norm_kernel, rope_kernel = rmsnorm.rms_norm_triton, rope.rope_store_kv_triton
     monkeypatch.setattr(rmsnorm, "rms_norm_triton", lambda *a, **k: calls.append(1) or norm_kernel(*a, **k))
+    monkeypatch.setattr(rope, "rope_store_kv_triton", lambda *a, **k: rope_calls.append(1) or rope_kernel(*a, **k))
     folded = prompt_logits(model, [7])
-    assert len(calls) == 2
+    assert len(calls) == 2 and not rope_calls  # RoPE and the KV write are the QKV GEMV's epilogue
     with unfolded_norms():
         apart = prompt_logits(model, [7])
     assert len(calls) == 2 + 2 * model.cfg.num_layers + 1
@@ -86,6 +88,6 @@ def test_batch1_decode_folds_the_norms_into_the_float_projections(tiny_model_dir
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(folded, expected, atol=1e-4, rtol=1e-4)
     several = prompt_logits(model, [5, 7])  # two rows: the norms run as kernels
-    assert len(calls) == 2 + 2 * (2 * model.cfg.num_layers + 1)
+    assert len(calls) == 2 + 2 * (2 * model.cfg.num_layers + 1) and len(rope_calls) == model.cfg.num_layers
     with torch.no_grad():
         torch.testing.assert_close(several, hf(torch.tensor([[5, 7]])).logits[0].float(), atol=1e-4, rtol=1e-4)

@@ -12,12 +12,14 @@ import torch
 from kernels.activation import silu_mul
 from kernels.dispatch import programmatic_launch, programmatic_launches
 from kernels.fp8_linear import (
-    FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, fp8_linear_triton, quantize_fp8, quantize_per_token,
-    use_scaled_mm,
+    FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_ref, fp8_linear_rope_kv, fp8_linear_triton, quantize_fp8,
+    quantize_per_token, use_scaled_mm,
 )
 from kernels.int4_layout import pack_awq, repack_awq
-from kernels.int4_linear import TILE_GEMM_MAX_ROWS, int4_linear, int4_linear_add_norm, int4_linear_ref
+from kernels.int4_linear import (TILE_GEMM_MAX_ROWS, int4_linear, int4_linear_add_norm, int4_linear_ref,
+                                 int4_linear_rope_kv)
 from kernels.rmsnorm import rms_norm
+from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -261,3 +263,35 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
         return torch.cat([o.flatten() for o in outs] + [r.flatten()])
 
     assert torch.equal(replayed(step, pdl=True), step())
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype) -> None:
+    """The one-row QKV kernel with RoPE and the KV write as its epilogue, at Llama-3.2-1B's QKV: bit
+    for bit the projection followed by rope_store_kv's kernel (q and both caches)."""
+    k, n = SHAPES["qkv"]
+    heads, kv_heads, head_dim = 32, 8, 64
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    if fmt == "int4":
+        w4 = int4_weight(k, n)
+        project = lambda x: int4_linear(x, *w4, 128, bias)  # noqa: E731
+        fused = lambda x, rope: int4_linear_rope_kv(x, *w4, 128, bias, None, rope)  # noqa: E731
+    else:
+        w8 = fp8_weight(k, n)
+        project = lambda x: fp8_linear(x, *w8, bias)  # noqa: E731
+        fused = lambda x, rope: fp8_linear_rope_kv(x, *w8, bias, None, rope)  # noqa: E731
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
+    caches = [cache.clone(), cache.clone()]
+
+    def rope(c: torch.Tensor) -> RopeKV:
+        return RopeKV(torch.tensor([3001], device="cuda"), cos_sin, c[0], c[1], torch.tensor([517], device="cuda"),
+                      heads, kv_heads, head_dim)
+
+    with nan_poisoned_allocations():
+        q = fused(x, rope(caches[0]))
+    assert torch.equal(q, rope_store_qkv(project(x), rope(caches[1])))
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)

@@ -8,11 +8,9 @@ import torch
 
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
-from kernels.dispatch import reference_kernels, unfolded_norms
-from kernels.float_linear import (float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv, gemv_config,
-                                  one_row_gemv)
+from kernels.dispatch import unfolded_norms
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, gemv_config, one_row_gemv
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
-from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
 from kernels.split_k import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -128,36 +126,3 @@ def test_add_norm_is_the_norm_kernel_where_norms_do_not_fold(triton_interpreter)
         assert norm is None and torch.equal(h, ref_h)
         torch.testing.assert_close(normed, ref, **TOLERANCE[torch.float32])
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("large, heads, kv_heads, head_dim, in_features",
-                         [(False, 4, 2, 16, 64), (True, 4, 2, 16, 64), (True, 2, 1, 32, 1024), (False, 3, 1, 8, 48)],
-                         ids=["small", "large", "large-split-k", "odd-heads"])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_rope_and_kv_write_in_the_qkv_epilogue_are_the_projection_then_rope_store_kv(
-        triton_interpreter, monkeypatch, dtype, large, heads, kv_heads, head_dim, in_features, with_bias) -> None:
-    # One token: q rotated into the output, k rotated and v written at its slot, bit for bit what
-    # the projection followed by rope_store_kv's kernel gives; other slots untouched.
-    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
-    gen = torch.Generator().manual_seed(heads * head_dim + in_features)
-    out_features = (heads + 2 * kv_heads) * head_dim
-    weight = _weights(gen, out_features, in_features, dtype)
-    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0, {}), 64)
-    cache = torch.randn(2, 2, 4, kv_heads, head_dim, generator=gen).to(dtype)  # [k/v, blocks, block size, KV, D]
-    caches = [cache.clone(), cache.clone()]
-
-    def rope(cache: torch.Tensor) -> RopeKV:
-        return RopeKV(torch.tensor([37]), cos_sin, cache[0], cache[1], torch.tensor([5]), heads, kv_heads, head_dim)
-
-    with nan_poisoned_allocations():
-        q = float_linear_rope_kv(x, weight, bias, None, rope(caches[0]))
-    expected = rope_store_qkv(float_linear(x, weight, bias), rope(caches[1]))
-    assert q.shape == (1, heads, head_dim) and torch.equal(q, expected)
-    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)
-    written = (caches[0] != cache).any(-1).any(-1).flatten(1).any(0)  # the slots written, of 8
-    assert written.tolist() == [i == 5 for i in range(8)]
-    with reference_kernels():  # and against the torch references of both
-        reference = rope_store_qkv(float_linear_ref(x, weight, bias), rope(caches[1].clone()))
-    torch.testing.assert_close(q, reference, **TOLERANCE[dtype])
