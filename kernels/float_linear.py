@@ -1,11 +1,12 @@
-"""Linear layers over float weights (bf16, fp16, fp32) W [N, K]: a one-row Triton GEMV for decode
-at batch 1, with the epilogues the quantized one-row kernels have (kernels/split_k.py): SiLU·up,
-the add-norm that leaves the next norm to the next projection, and that projection's scaled
-outputs. Every other shape goes to cuBLAS (F.linear).
+"""Linear layers over float weights (bf16, fp16, fp32) W [N, K]: for decode, a one-row Triton GEMV
+(batch 1) and a few-row tensor-core kernel (up to FEW_ROWS rows), both with the epilogues the
+quantized one-row kernels have (kernels/split_k.py): SiLU·up, the add-norm that leaves the next
+norm to the next projection, that projection's scaled outputs, and RoPE with the KV write
+(kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
-Against cuBLAS the GEMV saves more than its own time: it launches with PDL and reads its first
-weights before the previous kernel ends, and its epilogues take the norm and SiLU·up kernels of a
-decode layer with them (docs/performance.md).
+Against cuBLAS the kernels save more than their own time: they launch with PDL (the GEMV reads its
+first weights before the previous kernel ends), and their epilogues take the norm, SiLU·up and
+RoPE kernels of a decode layer with them (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
-from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, one_row_rows,
-                             split_workspace, store_add_norm, store_one_row, store_rope, sum_splits)
+from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv, store_rope_kv
+from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, norm_factors,
+                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_add_norm_rows,
+                             store_one_row, store_rope, store_tile, sum_splits)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -45,8 +47,8 @@ def _float_gemv_kernel(
     merged QKV weight whose epilogue is kernels/rope.py's store_rope_kv (out is then q)."""
     if ROPE:
         rows, row_ok = rope_rows(N, ROWS, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
-                                       out_ptr.dtype.element_ty, ROWS, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tl.arange(0, 1),
+                                       tl.arange(0, 1) < 1, out_ptr.dtype.element_ty, ROWS, HALF)
     else:
         rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     k_begin = tl.program_id(1) * k_per_split
@@ -81,6 +83,75 @@ def _float_gemv_kernel(
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
 
 
+@triton.jit
+def _float_rows_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, k_tiles_per_split,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
+    against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
+    alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
+    kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if ROPE:
+        cols, col_ok = rope_rows(N, BLOCK_N, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, m, m_ok,
+                                       out_ptr.dtype.element_ty, BLOCK_N, HALF)
+    else:
+        cols, col_ok = one_row_rows(N, BLOCK_N, SILU_MUL)
+    wait_for_previous_kernel(PDL)
+    k_begin = tl.program_id(1) * k_tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + k_tiles_per_split * BLOCK_K, K)
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < k_end
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
+    if NORM_IN:
+        acc *= norm_factors(in_sumsq_ptr, m, m_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
+    if ADD_NORM or ROPE or SILU_MUL:
+        offs = m.to(tl.int64)[:, None] * N + cols[None, :]
+        y, ok = sum_splits(acc, part_ptr, count_ptr, offs, m_ok[:, None] & col_ok[None, :], M * N, SPLIT_K)
+    if ADD_NORM:
+        store_add_norm_rows(y, m, cols, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
+                            N, HAS_BIAS)
+    elif ROPE:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        store_rope_kv(y, ok, m, slot, cos, sin, out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
+                      num_heads, num_kv_heads, BLOCK_N, HALF)
+    elif SILU_MUL:  # as store_one_row's: gate and up rounded to out's dtype first
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+        gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [BLOCK_M, BLOCK_N // 2, 2]))
+        pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * (N // 2) + pairs[None, :],
+                 (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
+    else:
+        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, m, cols, M, N, HAS_BIAS, SPLIT_K)
+
+
+# Up to this many rows (decode batches, the smallest prefill chunks) the few-row kernel serves float
+# weights, with the epilogues; above it cuBLAS (its tensor-core tiles are one BLOCK_M of 16).
+FEW_ROWS = 16
+
+
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
     """_float_gemv_kernel's tiling by weight size (kernels/split_k.py's large_tiling), as the FP8
     one-row kernel's: a small weight takes 4 rows a program of 4 warps, its whole rows (up to 4 KB
@@ -93,9 +164,15 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=step, num_warps=2, split=True)
 
 
-def one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] goes through the one-row kernel: one row, on Triton, a unit-stride weight."""
-    return use_triton(x) and x.numel() == x.shape[-1] and weight.stride(1) == 1
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of x [..., K]."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FEW_ROWS: the few-row
+    kernel), which have the epilogues: on Triton, a unit-stride weight."""
+    return use_triton(x) and 1 <= rows_of(x) <= FEW_ROWS and weight.stride(1) == 1
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
@@ -125,14 +202,42 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     return out, residual_out, sumsq
 
 
+def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+          norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [M, K] (M <= FEW_ROWS, contiguous) through our kernels: _gemv for one row, else
+    _float_rows_kernel; its outputs as _gemv's, with M rows."""
+    if x.shape[0] == 1:
+        return _gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
+        if q is None else q
+    block_n, block_k = 64, 256 // weight.element_size()
+    paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
+    tiles = triton.cdiv(out_features // 2 if paired else out_features, block_n // 2 if paired else block_n)
+    split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device)
+    part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
+    norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
+    pdl = programmatic_launch(x)
+    _float_rows_kernel[(tiles, split_k)](
+        x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
+        *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
+        num_warps=4, **launch_options(pdl))
+    return out, residual_out, sumsq
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                  norm_in: NormScale | None = None) -> torch.Tensor:
     """y = x @ W.T + bias; with silu_mul (a merged gate/up weight) SiLU(gate) * up [..., N / 2].
-    norm_in: x is one row still to be normalized (an add-norm epilogue's output), whose factor the
-    one-row kernel applies to its outputs (elsewhere x is scaled first). The one-row kernel for one
-    row on Triton, else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
-    if one_row_gemv(x, weight):
-        out, _, _ = _gemv(x.reshape(1, -1).contiguous(), weight, bias, silu_mul, norm_in, None)
+    norm_in: x's rows are still to be normalized (an add-norm epilogue's output), whose factors our
+    kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FEW_ROWS rows on
+    Triton (fused_rows), else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
+    if fused_rows(x, weight):
+        out, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, silu_mul, norm_in, None)
         return out.view(*x.shape[:-1], out.shape[-1])
     y = F.linear(x if norm_in is None else norm_in.apply(x), weight, bias)
     return activation.silu_mul(y) if silu_mul else y
@@ -141,13 +246,13 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float
                           ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-    """y = x @ W.T + bias, then the residual add and RMSNorm after it, as int4_linear_add_norm: the
-    one-row kernel's add-norm epilogue where it runs and norms fold (kernels/dispatch.py's
-    folds_norms), leaving the norm's factor to the next projection (h * norm_weight, h, NormScale);
+    """y = x @ W.T + bias, then the residual add and RMSNorm after it, as int4_linear_add_norm: our
+    kernels' add-norm epilogue where they run and norms fold (kernels/dispatch.py's folds_norms),
+    leaving each row's norm factor to the next projection (h * norm_weight, h, NormScale);
     elsewhere the projection and the norm kernel (normalized, h, None)."""
-    if folds_norms(x) and one_row_gemv(x, weight):
-        out, h, sumsq = _gemv(x.reshape(1, -1).contiguous(), weight, bias, False, None,
-                              (residual.reshape(1, -1), norm_weight))
+    if folds_norms(x) and fused_rows(x, weight):
+        out, h, sumsq = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, False, None,
+                              (residual.reshape(-1, residual.shape[-1]), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(float_linear(x, weight, bias), norm_weight, eps, residual), None)
 
@@ -155,10 +260,10 @@ def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def float_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_in: NormScale | None,
                          rope: RopeKV) -> torch.Tensor:
     """A merged QKV projection, then RoPE and the KV write (kernels/rope.py's rope_store_kv): the
-    rotated q [tokens, heads, head_dim]. For one row on Triton, one kernel: the GEMV with
+    rotated q [tokens, heads, head_dim]. Up to FEW_ROWS rows on Triton, one kernel with
     store_rope_kv as its epilogue; elsewhere the projection, then rope_store_kv."""
-    if one_row_gemv(x, weight) and rope.head_dim % 2 == 0:
-        q, _, _ = _gemv(x.reshape(1, -1).contiguous(), weight, bias, False, norm_in, None, rope)
+    if fused_rows(x, weight) and rope.head_dim % 2 == 0:
+        q, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, False, norm_in, None, rope)
         return q
     return rope_store_qkv(float_linear(x, weight, bias, norm_in=norm_in), rope)
 

@@ -134,8 +134,8 @@ def _fp8_gemv_kernel(
     as in the INT4 one."""
     if ROPE:
         rows, row_ok = rope_rows(N, ROWS, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
-                                       out_ptr.dtype.element_ty, ROWS, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tl.arange(0, 1),
+                                       tl.arange(0, 1) < 1, out_ptr.dtype.element_ty, ROWS, HALF)
     else:
         rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
     w_begin = tl.program_id(1) * words_per_split

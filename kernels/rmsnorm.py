@@ -33,12 +33,12 @@ class NormScale:
     norm's output is x * factor(len(x)). The next projection applies the factor to its outputs, so
     no kernel of its own normalizes the row."""
 
-    sumsq: torch.Tensor  # float32 [parts]: partial sums of squares of the row before the norm
+    sumsq: torch.Tensor  # float32 [rows, parts]: partial sums of squares of each row before the norm
     eps: float
 
     def factor(self, hidden: int) -> torch.Tensor:
-        """rsqrt(mean of squares + eps), a float32 scalar tensor (on the device: no sync)."""
-        return torch.rsqrt(self.sumsq.sum() / hidden + self.eps)
+        """rsqrt(mean of squares + eps) per row, float32 [rows, 1] (on the device: no sync)."""
+        return torch.rsqrt(self.sumsq.sum(-1, keepdim=True) / hidden + self.eps)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x scaled in float32, in x's dtype (what the kernels that take a NormScale do to their outputs)."""
@@ -47,11 +47,11 @@ class NormScale:
 
 def add_norm_ref(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
-    """The add-norm epilogue's reference for one row y [1, H]: (h * weight, h, NormScale of h) with
+    """The add-norm epilogue's reference for rows y [M, H]: (h * weight, h, NormScale of h) with
     h = y + residual, the new residual. (h * weight) scaled by the NormScale is rms_norm(y, weight,
     eps, residual)[0] but for rounding: weight * round(h * r) there, round(h * weight) * r here."""
     h = y + residual
-    return h * weight, h, NormScale(h.float().pow(2).sum(-1), eps)
+    return h * weight, h, NormScale(h.float().pow(2).sum(-1, keepdim=True), eps)
 
 
 @triton.jit

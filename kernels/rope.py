@@ -134,41 +134,43 @@ def rope_rows(N, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
-                  ROWS: tl.constexpr, HALF: tl.constexpr):
-    """store_rope_kv's inputs for one token (the one-row kernels' only one): its slot, and cos and sin
-    [ROWS / 2] of the program's pairs, rounded to dtype as rope_store_kv's kernel does. Host copies
-    wrote them before the step: they may be read before the wait for the previous kernel."""
-    pos = tl.load(positions_ptr)
-    slot = tl.load(slot_mapping_ptr).to(tl.int64)
+def rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tokens, tokens_ok,
+                  dtype: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """store_rope_kv's inputs for `tokens` [T] (a one-row kernel's is arange(0, 1)): their slots [T],
+    and cos and sin [T, ROWS / 2] of the program's pairs, rounded to dtype as rope_store_kv's kernel
+    does. Host copies wrote them before the step: they may be read before the wait for the previous
+    kernel."""
+    pos = tl.load(positions_ptr + tokens, mask=tokens_ok, other=0)
+    slot = tl.load(slot_mapping_ptr + tokens, mask=tokens_ok, other=0).to(tl.int64)
     d = (tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)) % HALF
-    table = cos_sin_ptr + pos * cos_sin_stride + d
+    table = cos_sin_ptr + pos.to(tl.int64)[:, None] * cos_sin_stride + d[None, :]
     return slot, tl.load(table).to(dtype).to(tl.float32), tl.load(table + HALF).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def store_rope_kv(y, row_ok, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
-                  num_heads, num_kv_heads, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """A one-row QKV kernel's float32 outputs y [ROWS] for rope_rows' rows, rounded to the
-    projection's dtype, then what rope_store_kv's kernel does with them: q and k heads rotated, q
-    into q_out [heads, 2 * HALF], k and v into the caches at the token's slot. Bit for bit the
-    projection followed by that kernel."""
-    x1, x2 = tl.split(tl.reshape(y.to(q_out_ptr.dtype.element_ty).to(tl.float32), [ROWS // 2, 2]))
-    ok, _ = tl.split(tl.reshape(row_ok.to(tl.int32), [ROWS // 2, 2]))
+def store_rope_kv(y, ok, tokens, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                  cache_stride_h, num_heads, num_kv_heads, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """A QKV kernel's float32 outputs y [T, ROWS] for `tokens` [T] and rope_rows' rows (ok: those to
+    store), rounded to the projection's dtype, then what rope_store_kv's kernel does with them: q
+    and k heads rotated, q into q_out [tokens, heads, 2 * HALF], k and v into the caches at each
+    token's slot. Bit for bit the projection followed by that kernel."""
+    T: tl.constexpr = y.shape[0]
+    x1, x2 = tl.split(tl.reshape(y.to(q_out_ptr.dtype.element_ty).to(tl.float32), [T, ROWS // 2, 2]))
+    ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [T, ROWS // 2, 2]))
     ok = ok != 0
     pair = tl.program_id(0) * (ROWS // 2) + tl.arange(0, ROWS // 2)
-    head = pair // HALF
-    d = pair % HALF
+    head = (pair // HALF)[None, :]
+    d = (pair % HALF)[None, :]
     rotated = head < num_heads + num_kv_heads
     in_dtype = q_out_ptr.dtype.element_ty
     o1 = tl.where(rotated, x1 * cos - x2 * sin, x1).to(in_dtype)
     o2 = tl.where(rotated, x2 * cos + x1 * sin, x2).to(in_dtype)
-    q = q_out_ptr + head * (2 * HALF) + d
+    q = q_out_ptr + tokens.to(tl.int64)[:, None] * (num_heads * 2 * HALF) + head * (2 * HALF) + d
     tl.store(q, o1, mask=ok & (head < num_heads))
     tl.store(q + HALF, o2, mask=ok & (head < num_heads))
     is_k = ok & (head >= num_heads) & rotated
     kv_head = tl.where(is_k, head - num_heads, head - num_heads - num_kv_heads)
-    cache = slot * cache_stride_slot + kv_head.to(tl.int64) * cache_stride_h + d
+    cache = slot[:, None] * cache_stride_slot + kv_head.to(tl.int64) * cache_stride_h + d
     is_v = ok & ~rotated
     tl.store(k_cache_ptr + cache, o1, mask=is_k)
     tl.store(k_cache_ptr + cache + HALF, o2, mask=is_k)
@@ -254,14 +256,15 @@ def rope_store_qkv(qkv: torch.Tensor, rope: RopeKV) -> torch.Tensor:
 
 
 def rope_arguments(x: torch.Tensor, rope: RopeKV | None) -> tuple[torch.Tensor | None, tuple]:
-    """A one-row kernel's RoPE arguments, in its signature's order (positions, slot mapping, cos/sin
-    table and its row stride, the caches as [slots, KV, D] and their slot and head strides, heads,
-    KV heads), and the q it writes, [1, heads, head_dim]; without rope, None and stand-ins (x)."""
+    """A QKV kernel's RoPE arguments for x [tokens, K], in its signature's order (positions, slot
+    mapping, cos/sin table and its row stride, the caches as [slots, KV, D] and their slot and head
+    strides, heads, KV heads), and the q it writes, [tokens, heads, head_dim]; without rope, None
+    and stand-ins (x)."""
     if rope is None:
         return None, (x,) * 3 + (0,) + (x,) * 2 + (0,) * 4
     k_flat = rope.k_cache.view(-1, rope.num_kv_heads, rope.head_dim)
     v_flat = rope.v_cache.view(-1, rope.num_kv_heads, rope.head_dim)
     assert k_flat.stride() == v_flat.stride() and k_flat.stride(-1) == 1 and rope.cos_sin.is_contiguous()
-    q = torch.empty(1, rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
+    q = torch.empty(x.shape[0], rope.num_heads, rope.head_dim, dtype=x.dtype, device=x.device)
     return q, (rope.positions, rope.slot_mapping, rope.cos_sin, rope.cos_sin.stride(0), k_flat, v_flat,
                k_flat.stride(0), k_flat.stride(1), rope.num_heads, rope.num_kv_heads)

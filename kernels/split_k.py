@@ -107,12 +107,12 @@ def store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin
                SPLIT_K: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr):
     """A one-row merged-QKV kernel's float32 outputs y [ROWS] for kernels/rope.py's rope_rows,
     splits summed and bias added, through store_rope_kv: q rotated into q_out, k and v into the
-    caches (rope_operands gave slot, cos and sin)."""
+    caches (rope_operands gave the token's slot, cos and sin)."""
     y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    store_rope_kv(y, ok, slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
-                  num_heads, num_kv_heads, ROWS, HALF)
+    store_rope_kv(y[None, :], ok[None, :], tl.arange(0, 1), slot, cos, sin, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                  cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, ROWS, HALF)
 
 
 @triton.jit
@@ -153,6 +153,37 @@ def store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_pt
     tl.store(out_ptr + rows, h * norm_w, mask=ok)
     hf = tl.where(ok, h.to(tl.float32), 0.0)
     tl.store(sumsq_ptr + tl.program_id(0), tl.sum(hf * hf, axis=0), mask=tl.max(ok.to(tl.int32), axis=0) > 0)
+
+
+@triton.jit
+def norm_factors(sumsq_ptr, rows, rows_ok, parts, hidden, eps, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+    """norm_factor for several rows: each row's NormScale factor [BLOCK_M] from a [rows, parts]
+    tensor of partial sums of squares."""
+    offs = tl.arange(0, PARTS)
+    total = tl.zeros([BLOCK_M, PARTS], dtype=tl.float32)
+    for i in range(0, parts, PARTS):
+        total += tl.load(sumsq_ptr + rows.to(tl.int64)[:, None] * parts + i + offs[None, :],
+                         mask=rows_ok[:, None] & (i + offs < parts)[None, :], other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(total, axis=1) / hidden + eps)
+
+
+@triton.jit
+def store_add_norm_rows(y, rows, cols, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr, N,
+                        HAS_BIAS: tl.constexpr):
+    """store_add_norm for several rows: y [BLOCK_M, BLOCK_N] the final float32 outputs at (rows,
+    cols) of [M, N] (ok: those this program stores); the sums of h^2 go to sumsq [M, tiles] at
+    column program_id(0)."""
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    residual = tl.load(residual_ptr + offs, mask=ok, other=0.0)
+    norm_w = tl.load(norm_w_ptr + cols, mask=cols < N, other=0.0)
+    h = y.to(out_ptr.dtype.element_ty) + residual
+    tl.store(residual_out_ptr + offs, h, mask=ok)
+    tl.store(out_ptr + offs, h * norm_w[None, :], mask=ok)
+    hf = tl.where(ok, h.to(tl.float32), 0.0)
+    tl.store(sumsq_ptr + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(hf * hf, axis=1),
+             mask=tl.max(ok.to(tl.int32), axis=1) > 0)
 
 
 _TILE_COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: split-K's arrival counters
@@ -219,14 +250,14 @@ def matmul_config(rows: int) -> dict[str, int]:
 def norm_arguments(out: torch.Tensor, tiles: int, norm_in: NormScale | None,
                    add_norm: tuple[torch.Tensor, torch.Tensor] | None
                    ) -> tuple[tuple, torch.Tensor | None, torch.Tensor | None]:
-    """A one-row kernel's norm arguments (in_sumsq, in_parts, eps, residual, norm_w, residual_out,
+    """A linear kernel's norm arguments (in_sumsq, in_parts, eps, residual, norm_w, residual_out,
     sumsq; `out` stands in for those not read), and the add-norm outputs it writes (the new
-    residual [1, N] and the float32 sums of squares, one per row tile), or None, None."""
-    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.numel(), norm_in.eps) if norm_in else (out, 0, 0.0)
+    residual [M, N] and the float32 sums of squares [M, tiles], one per row and tile), or None, None."""
+    in_sumsq, in_parts, eps = (norm_in.sumsq, norm_in.sumsq.shape[-1], norm_in.eps) if norm_in else (out, 0, 0.0)
     if add_norm is None:
         return (in_sumsq, in_parts, eps, out, out, out, out), None, None
     residual_out = torch.empty_like(out)
-    sumsq = torch.empty(tiles, dtype=torch.float32, device=out.device)
+    sumsq = torch.empty(out.shape[0], tiles, dtype=torch.float32, device=out.device)
     args = (in_sumsq, in_parts, eps, add_norm[0].contiguous(), add_norm[1].contiguous(), residual_out, sumsq)
     return args, residual_out, sumsq
 

@@ -13,7 +13,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.dispatch import folds_norms, use_triton
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv
+from kernels.float_linear import FEW_ROWS, float_linear, float_linear_add_norm, float_linear_rope_kv, rows_of
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
@@ -29,16 +29,19 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 
 class Projection(nn.Module):
     """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
-    norm_in=None), where norm_in (a NormScale) means x is one row still to be normalized by its
-    factor, and add_norm."""
+    norm_in=None), where norm_in (a NormScale) means x's rows are still to be normalized by their
+    factors, add_norm and rope_store_kv. Up to fused_rows rows (decode batches) the format's own
+    kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
+
+    fused_rows = 1  # rows up to which the format's kernels have the epilogues (one-row kernels: 1)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
-        or, for one row where norms fold (kernels/dispatch.py's folds_norms), the format's one-row
-        kernel with the norm in its epilogue, the row left for the next projection to finish
+        or, up to fused_rows rows where norms fold (kernels/dispatch.py's folds_norms), the format's
+        kernel with the norm in its epilogue, the rows left for the next projection to finish
         (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
-        if folds_norms(x) and x.numel() == x.shape[-1]:
+        if folds_norms(x) and 1 <= rows_of(x) <= self.fused_rows:
             return self.folded_add_norm(x, residual, norm_weight, eps)
         return (*rms_norm(self(x), norm_weight, eps, residual), None)  # self(x): forward hooks see it
 
@@ -48,18 +51,20 @@ class Projection(nn.Module):
 
     def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
-        q [tokens, heads, head_dim]; for one row on Triton, the format's one-row kernel with both in
+        q [tokens, heads, head_dim]; up to fused_rows rows on Triton, the format's kernel with both in
         its epilogue."""
-        if use_triton(x) and x.numel() == x.shape[-1]:
-            return self.one_row_rope_kv(x, norm_in, rope)
+        if use_triton(x) and 1 <= rows_of(x) <= self.fused_rows:
+            return self.fused_rope_kv(x, norm_in, rope)
         return rope_store_qkv(self(x, norm_in=norm_in), rope)  # self(x): forward hooks see it
 
-    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+    def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         raise NotImplementedError
 
 
 class Linear(Projection):
     """y = x W^T + b with W [out_features, in_features] in the model's dtype."""
+
+    fused_rows = FEW_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -75,7 +80,7 @@ class Linear(Projection):
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
 
-    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+    def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return float_linear_rope_kv(x, self.weight, self.bias, norm_in, rope)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:
@@ -132,7 +137,7 @@ class Int4Linear(Projection):
         return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                     self.bias, residual, norm_weight, eps)
 
-    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+    def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return int4_linear_rope_kv(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                    self.bias, norm_in, rope)
 
@@ -190,7 +195,7 @@ class Fp8Linear(Projection):
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
 
-    def one_row_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
+    def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return fp8_linear_rope_kv(x, self.weight, self.weight_scale, self.bias, norm_in, rope)
 
     def load(self, leaf: str, tensor: torch.Tensor, start: int, size: int) -> None:

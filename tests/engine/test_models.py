@@ -61,33 +61,42 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
-def test_batch1_decode_folds_the_norms_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
-                                                                 shape: str) -> None:
-    """One token through a float model on the Triton kernels runs 2 norm kernels, not 2L + 1, and no
-    RoPE kernel: the one-row GEMVs' epilogues and scaled outputs do the rest, and the logits are the
-    unfolded path's and transformers'. The same forward serves several rows, where nothing folds."""
+def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
+                                                                    shape: str) -> None:
+    """Up to FEW_ROWS tokens through a float model on the Triton kernels run 2 norm kernels, not
+    2L + 1, and no RoPE kernel: the projections' epilogues and scaled outputs do the rest. The
+    logits are the unfolded path's and transformers'; more rows take cuBLAS and the kernels apart."""
     import kernels.rmsnorm as rmsnorm
     import kernels.rope as rope
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
     from kernels.dispatch import unfolded_norms
+    from kernels.float_linear import FEW_ROWS
 
     path, hf = tiny_model_dir(shape)
     model = load_model(path, torch.float32, torch.device("cpu"))
-    calls, rope_calls = [], []
+    layers = model.cfg.num_layers
+    calls: dict[str, int] = {"norm": 0, "rope": 0}
     norm_kernel, rope_kernel = rmsnorm.rms_norm_triton, rope.rope_store_kv_triton
-    monkeypatch.setattr(rmsnorm, "rms_norm_triton", lambda *a, **k: calls.append(1) or norm_kernel(*a, **k))
-    monkeypatch.setattr(rope, "rope_store_kv_triton", lambda *a, **k: rope_calls.append(1) or rope_kernel(*a, **k))
-    folded = prompt_logits(model, [7])
-    assert len(calls) == 2 and not rope_calls  # RoPE and the KV write are the QKV GEMV's epilogue
+
+    def counted(name, kernel):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or kernel(*a, **k)
+
+    monkeypatch.setattr(rmsnorm, "rms_norm_triton", counted("norm", norm_kernel))
+    monkeypatch.setattr(rope, "rope_store_kv_triton", counted("rope", rope_kernel))
+
+    def run(prompt: list[int]) -> tuple[torch.Tensor, dict[str, int]]:
+        calls.update(norm=0, rope=0)
+        logits = prompt_logits(model, prompt)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0].float(), atol=1e-4, rtol=1e-4)
+        return logits, dict(calls)
+
+    folded, counts = run([7])
+    assert counts == {"norm": 2, "rope": 0}
     with unfolded_norms():
-        apart = prompt_logits(model, [7])
-    assert len(calls) == 2 + 2 * model.cfg.num_layers + 1
-    with torch.no_grad():
-        expected = hf(torch.tensor([[7]])).logits[0].float()
+        apart, counts = run([7])
+    assert counts == {"norm": 2 * layers + 1, "rope": 0}
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(folded, expected, atol=1e-4, rtol=1e-4)
-    several = prompt_logits(model, [5, 7])  # two rows: the norms run as kernels
-    assert len(calls) == 2 + 2 * (2 * model.cfg.num_layers + 1) and len(rope_calls) == model.cfg.num_layers
-    with torch.no_grad():
-        torch.testing.assert_close(several, hf(torch.tensor([[5, 7]])).logits[0].float(), atol=1e-4, rtol=1e-4)
+    assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0}  # the few-row kernel
+    assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers}  # cuBLAS

@@ -1,4 +1,4 @@
-"""The one-row float GEMV (kernels/float_linear.py) and its epilogues on a CUDA GPU, bf16 and fp16,
+"""The float one-row GEMV and few-row kernel (kernels/float_linear.py) and their epilogues on a CUDA GPU, bf16 and fp16,
 at the projection sizes of the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B shapes, outputs poisoned
 (skipped without a GPU): SiLU·up, the folded norm, and RoPE with the KV write."""
 from __future__ import annotations
@@ -32,13 +32,14 @@ def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Ten
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
-def test_one_row_gemv_against_the_reference(model: str, dtype: torch.dtype) -> None:
+def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -> None:
     for name, (k, n) in projections(*MODELS[model]).items():
         w = weight(k, n, dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv" else None
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
         with nan_poisoned_allocations():
             out = float_linear(x, w, bias)
         ref = float_linear_ref(x.float(), w.float(), None if bias is None else bias.float())
@@ -50,21 +51,22 @@ def test_one_row_gemv_against_the_reference(model: str, dtype: torch.dtype) -> N
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
-def test_norm_folded_into_the_one_row_gemvs(model: str, dtype: torch.dtype) -> None:
+def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -> None:
     """Batch-1 decode's folded norm: o_proj and down_proj end in the add-norm epilogue, gate/up
     (SiLU·up) and QKV scale their outputs by its NormScale; against rms_norm between the plain
     projections. Then the chain replayed in a CUDA graph with PDL gives the eager chain's output
     bit for bit."""
     shapes = projections(*MODELS[model])
     hidden = shapes["o"][1]
-    residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
     chain = []
     for producer, consumer, silu in (("o", "gate_up", True), ("down", "qkv", False)):
         wp, wc = weight(*shapes[producer], dtype), weight(*shapes[consumer], dtype)
-        x = torch.randn(1, shapes[producer][0], device="cuda", dtype=dtype)
+        x = torch.randn(rows, shapes[producer][0], device="cuda", dtype=dtype)
         with nan_poisoned_allocations():
             u, h, scale = float_linear_add_norm(x, wp, None, residual, norm, 1e-5)
             out = float_linear(u, wc, silu_mul=silu, norm_in=scale)
@@ -85,9 +87,10 @@ def test_norm_folded_into_the_one_row_gemvs(model: str, dtype: torch.dtype) -> N
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
-def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype) -> None:
+def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype, tokens: int) -> None:
     """The QKV GEMV with RoPE and the KV write as its epilogue: bit for bit the projection followed
     by rope_store_kv's kernel (q, and both caches), with a Qwen2-style bias."""
     hidden, qkv, _ = MODELS[model]
@@ -95,14 +98,14 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype) -
     kv_heads = {896: 2, 2048: 8, 4096: 8}[hidden]
     heads = qkv // head_dim - 2 * kv_heads
     w, bias = weight(hidden, qkv, dtype), torch.randn(qkv, device="cuda", dtype=dtype)
-    x = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
     cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
     caches = [cache.clone(), cache.clone()]
 
     def rope(c: torch.Tensor) -> RopeKV:
-        return RopeKV(torch.tensor([3001], device="cuda"), cos_sin, c[0], c[1], torch.tensor([517], device="cuda"),
-                      heads, kv_heads, head_dim)
+        return RopeKV(torch.arange(3001, 3001 + tokens, device="cuda"), cos_sin, c[0], c[1],
+                      torch.arange(517, 517 + 3 * tokens, 3, device="cuda"), heads, kv_heads, head_dim)
 
     with nan_poisoned_allocations():
         q = float_linear_rope_kv(x, w, bias, None, rope(caches[0]))

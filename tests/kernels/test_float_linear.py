@@ -1,6 +1,7 @@
-"""The one-row float GEMV (kernels/float_linear.py) against the torch reference on CPU through
-Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong), with its
-epilogues: SiLU·up, the add-norm and the next projection's norm factor. tests/gpu covers bf16."""
+"""The float one-row GEMV and few-row kernel (kernels/float_linear.py) against the torch reference
+on CPU through Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong), with
+their epilogues: SiLU·up, the add-norm and the next projection's norm factor (RoPE:
+test_rope_epilogue.py). tests/gpu covers bf16."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, gemv_config, one_row_gemv
+from kernels.float_linear import FEW_ROWS, float_linear, float_linear_add_norm, float_linear_ref, fused_rows, gemv_config
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -23,7 +24,8 @@ def _weights(gen: torch.Generator, out_features: int, in_features: int, dtype: t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (3, False)], ids=["gemv", "gemv-large", "matmul"])
+@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (3, False), (FEW_ROWS, False), (FEW_ROWS + 1, False)],
+                         ids=["gemv", "gemv-large", "few-rows", "few-rows-most", "cublas"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, rows, large, with_bias) -> None:
     monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
@@ -32,7 +34,7 @@ def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, 
     weight = _weights(gen, out_features, in_features, dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
-    assert one_row_gemv(x, weight) == (rows == 1)
+    assert fused_rows(x, weight) == (rows <= FEW_ROWS)
     with nan_poisoned_allocations():
         out = float_linear(x, weight, bias)
     assert out.dtype == dtype and out.shape == (rows, out_features)
@@ -63,36 +65,45 @@ def test_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpre
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 202), (True, 256, 200), (True, 1024, 48)],
-                         ids=["partial-pairs", "large-partial-pairs", "large-split-k"])
-def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, monkeypatch, dtype, large,
-                                                                    in_features, out_features) -> None:
+@pytest.mark.parametrize("rows, large, in_features, out_features",
+                         [(1, False, 256, 202), (1, True, 256, 200), (1, True, 1024, 48), (5, False, 256, 202),
+                          (5, False, 1024, 48)],
+                         ids=["partial-pairs", "large-partial-pairs", "large-split-k", "few-rows", "few-rows-split-k"])
+def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, monkeypatch, dtype, rows,
+                                                                    large, in_features, out_features) -> None:
     # SiLU·up in the epilogue rounds gate and up to x's dtype first: bit for bit the projection
     # followed by silu_mul.
     monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features)
     weight = _weights(gen, out_features, in_features, dtype)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
     with nan_poisoned_allocations():
         fused = float_linear(x, weight, bias, silu_mul=True)
         apart = silu_mul(float_linear(x, weight, bias))
-    assert fused.shape == (1, out_features // 2) and torch.equal(fused, apart)
+    assert fused.shape == (rows, out_features // 2)
+    if rows == 1:
+        assert torch.equal(fused, apart)
+    else:  # the interpreter's dot (numpy) may sum a permuted weight tile in another order; tests/gpu: bit for bit
+        torch.testing.assert_close(fused, apart, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(fused, float_linear_ref(x, weight, bias, silu_mul=True), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("large, in_features, out_features", [(False, 256, 202), (True, 256, 208), (True, 4096, 48)],
-                         ids=["small", "large", "large-split-k"])
-def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, large,
+@pytest.mark.parametrize("rows, large, in_features, out_features",
+                         [(1, False, 256, 202), (1, True, 256, 208), (1, True, 4096, 48), (6, False, 256, 202),
+                          (6, False, 4096, 48)],
+                         ids=["small", "large", "large-split-k", "few-rows", "few-rows-split-k"])
+def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, rows, large,
                                                             in_features, out_features) -> None:
-    # The add-norm epilogue is add_norm_ref on the kernel's own projection; the NormScale's factor
-    # on the next projection's outputs is that factor applied to its input.
+    # The add-norm epilogue is add_norm_ref on the kernel's own projection, one NormScale row per
+    # row; the NormScale's factors on the next projection's outputs are those factors applied to
+    # its input.
     monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
     gen = torch.Generator().manual_seed(in_features + out_features)
     weight = _weights(gen, out_features, in_features, dtype)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    residual = torch.randn(1, out_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    residual = torch.randn(rows, out_features, generator=gen).to(dtype)
     norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype)
     with nan_poisoned_allocations():
@@ -100,8 +111,9 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     y = float_linear(x, weight, bias)
     ref_u, ref_h, ref_norm = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    assert norm.sumsq.shape == (-(-out_features // (16 if large else 4)),)
-    torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
+    tile = 64 if rows > 1 else 16 if large else 4
+    assert norm.sumsq.shape == (rows, -(-out_features // tile))
+    torch.testing.assert_close(norm.sumsq.sum(-1), ref_norm.sumsq.sum(-1), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(y, norm_w, 1e-5, residual)[0], **TOLERANCE[dtype])
     w2 = _weights(gen, 96, out_features, dtype)
     with nan_poisoned_allocations():
@@ -110,11 +122,12 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
 
 
 def test_add_norm_is_the_norm_kernel_where_norms_do_not_fold(triton_interpreter) -> None:
-    # Several rows, or inside unfolded_norms(): the projection, then the norm (exactly normalized, no NormScale).
+    # More rows than the few-row kernel takes, or inside unfolded_norms(): the projection, then the
+    # norm (exactly normalized, no NormScale).
     gen = torch.Generator().manual_seed(3)
     weight = _weights(gen, 64, 32, torch.float32)
     norm_w = torch.rand(64, generator=gen) + 0.5
-    for rows, context in ((2, None), (1, unfolded_norms)):
+    for rows, context in ((FEW_ROWS + 1, None), (1, unfolded_norms), (3, unfolded_norms)):
         x = torch.randn(rows, 32, generator=gen)
         residual = torch.randn(rows, 64, generator=gen)
         if context is None:

@@ -142,7 +142,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
         u, h, norm = fp8_linear_add_norm(x, weight, scale, bias, residual, norm_w, 1e-5)
     ref_u, ref_h, ref_norm = add_norm_ref(fp8_linear(x, weight, scale, bias), residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    assert norm.sumsq.shape == (-(-out_features // (16 if large else 4)),)
+    assert norm.sumsq.shape == (1, -(-out_features // (16 if large else 4)))
     torch.testing.assert_close(norm.sumsq.sum(), ref_norm.sumsq.sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(fp8_linear(x, weight, scale, bias), norm_w, 1e-5, residual)[0],
                                **TOLERANCE[dtype])

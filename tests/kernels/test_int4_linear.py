@@ -193,7 +193,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     ref_u, ref_h, ref_scale = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
     tiles = -(-out_features // (16 if large else 8))
-    assert scale.sumsq.shape == (tiles,) and scale.eps == 1e-5
+    assert scale.sumsq.shape == (1, tiles) and scale.eps == 1e-5
     torch.testing.assert_close(scale.sumsq.sum(), ref_scale.sumsq.sum(), rtol=1e-5, atol=0)
     torch.testing.assert_close(h, int4_linear_ref(x, weight, zeros, exact_scales, 64, bias) + residual,
                                **GEMV_TOLERANCE[dtype])
