@@ -7,6 +7,9 @@
 #   PHASE=start, then PHASE=collect at once (a machine idle 30 s is given back): the server and the
 #     soak run in sessions of their own, which outlive the first call; the second waits for the soak
 #     to end, stops the server and brings the report back. For the 10-minute run: DURATION_S=600.
+#     Make the two calls back to back from one caller, and no other call in between: one call that
+#     took the warm machine between them also ran its benchmark beside the soak's server, and the
+#     soak was lost when the machine went back. Budget about 11 device minutes.
 # Logs and soak.json land in $OUT; the soak's summary prints last.
 set -u
 OUT=${OUT:-/tmp/out}
