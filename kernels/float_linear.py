@@ -20,8 +20,8 @@ from kernels.dispatch import folds_norms, launch_options, programmatic_launch, u
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv, store_rope_kv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, norm_factors,
-                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_add_norm_rows,
-                             store_one_row, store_rope, store_tile, sum_splits)
+                             one_row_outputs, one_row_rows, split_k_for, split_workspace, store_add_norm_rows,
+                             store_one_row_outputs, store_tile, sum_splits)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -45,20 +45,15 @@ def _float_gemv_kernel(
     alone leave SMs idle). Each thread keeps float32 sums per weight it reads, reduced once at the
     end. SILU_MUL, NORM_IN and ADD_NORM: as in kernels/int4_linear.py's one-row kernel. ROPE: a
     merged QKV weight whose epilogue is kernels/rope.py's store_rope_kv (out is then q)."""
-    if ROPE:
-        rows, row_ok = rope_rows(N, ROWS, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tl.arange(0, 1),
-                                       tl.arange(0, 1) < 1, out_ptr.dtype.element_ty, ROWS, HALF)
-    else:
-        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    rows, row_ok, slot, cos, sin = one_row_outputs(N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                                   out_ptr.dtype.element_ty, ROWS, SILU_MUL, ROPE, HALF)
     k_begin = tl.program_id(1) * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     k = k_begin + tl.arange(0, BLOCK_K)
     # Weights are never written, so the first step's may be read before the previous kernel ends.
     w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < k_end)[None, :], other=0.0)
-    if ADD_NORM:
-        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
+    bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, ADD_NORM)
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
@@ -72,15 +67,10 @@ def _float_gemv_kernel(
     y = tl.sum(acc, axis=1)
     if NORM_IN:
         y *= factor
-    if ADD_NORM:
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
-    elif ROPE:
-        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
-                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
-                   HALF)
-    else:
-        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+    store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, bias, residual, norm_w,
+                          residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                          cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
+                          HALF)
 
 
 @triton.jit

@@ -23,10 +23,10 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
+from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_rope,
-                             store_tile, sum_splits, tile_coords)
+                             one_row_outputs, split_k_for, split_workspace, store_one_row_outputs, store_tile,
+                             tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -132,12 +132,8 @@ def _fp8_gemv_kernel(
     per step. CVT: decode with the hardware conversion (GPU); else with integer ops (the exact
     same values, and what Triton's CPU interpreter can run). SILU_MUL, NORM_IN, ADD_NORM and ROPE:
     as in the INT4 one."""
-    if ROPE:
-        rows, row_ok = rope_rows(N, ROWS, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tl.arange(0, 1),
-                                       tl.arange(0, 1) < 1, out_ptr.dtype.element_ty, ROWS, HALF)
-    else:
-        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    rows, row_ok, slot, cos, sin = one_row_outputs(N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                                   out_ptr.dtype.element_ty, ROWS, SILU_MUL, ROPE, HALF)
     w_begin = tl.program_id(1) * words_per_split
     w_end = tl.minimum(w_begin + words_per_split, K // 4)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
@@ -145,8 +141,7 @@ def _fp8_gemv_kernel(
     # Weights are never written, so the first step's may be read before the previous kernel ends.
     p = tl.load(w_rows + c[None, :], mask=row_ok[:, None] & (c < w_end)[None, :], other=0)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    if ADD_NORM:
-        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
+    bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, ADD_NORM)
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
@@ -175,15 +170,10 @@ def _fp8_gemv_kernel(
     y = tl.sum(acc, axis=1) * scale
     if NORM_IN:
         y *= factor
-    if ADD_NORM:
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
-    elif ROPE:
-        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
-                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
-                   HALF)
-    else:
-        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+    store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, bias, residual, norm_w,
+                          residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                          cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
+                          HALF)
 
 
 @functools.lru_cache(maxsize=None)

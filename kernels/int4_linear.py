@@ -23,10 +23,10 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv
+from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
 from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_rows, split_k_for, split_workspace, store_add_norm, store_one_row, store_rope,
-                             store_tile, sum_splits, tile_coords)
+                             one_row_outputs, split_k_for, split_workspace, store_one_row_outputs, store_tile,
+                             tile_coords)
 
 # Above this many rows (prefill chunks) the weight is dequantized into x's dtype once and the
 # product is cuBLAS's; up to it, the tile GEMM reads the 4-bit weights directly. 1,024 lies between
@@ -122,12 +122,8 @@ def _int4_gemv_kernel(
     (store_add_norm); ROPE: a merged QKV weight, RoPE and the KV write in the epilogue (store_rope)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     GPS: tl.constexpr = BLOCK_W // WPG  # groups a step
-    if ROPE:
-        rows, row_ok = rope_rows(N, ROWS, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, tl.arange(0, 1),
-                                       tl.arange(0, 1) < 1, out_ptr.dtype.element_ty, ROWS, HALF)
-    else:
-        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+    rows, row_ok, slot, cos, sin = one_row_outputs(N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride,
+                                                   out_ptr.dtype.element_ty, ROWS, SILU_MUL, ROPE, HALF)
     w_begin = tl.program_id(1) * words_per_split
     # Split ends are whole groups (GROUP divides K, and words_per_split is whole steps): telling
     # Triton keeps the word masks constant over 4 words, so the loads stay 16 bytes wide.
@@ -138,8 +134,7 @@ def _int4_gemv_kernel(
     # Weights are never written, so the first step's may be read before the previous kernel ends;
     # each step loads the next one's before its math.
     p, z, s = _gemv_step(w_tile, z_rows, s_rows, row_ok, w_begin, w_end, BLOCK_W, WPG)
-    if ADD_NORM:
-        bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS)
+    bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, ADD_NORM)
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
@@ -162,15 +157,10 @@ def _int4_gemv_kernel(
     y = tl.sum(acc, axis=1) * 16.0
     if NORM_IN:
         y *= factor
-    if ADD_NORM:  # no SiLU
-        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
-        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
-    elif ROPE:
-        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
-                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
-                   HALF)
-    else:
-        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+    store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, bias, residual, norm_w,
+                          residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                          cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
+                          HALF)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels.dispatch import sm_count
 from kernels.rmsnorm import NormScale
-from kernels.rope import store_rope_kv
+from kernels.rope import rope_operands, rope_rows, store_rope_kv
 
 # Weights (N x K) from which the one-row kernels take their large tiling (large_tiling).
 LARGE_TILING_MIN_WEIGHTS = 8 << 20
@@ -116,6 +116,47 @@ def store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin
 
 
 @triton.jit
+def one_row_outputs(N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
+                    ROWS: tl.constexpr, SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+    """A one-row kernel's weight rows and what its RoPE epilogue needs: (rows, row_ok, slot, cos,
+    sin). one_row_rows' rows; with ROPE, kernels/rope.py's rope_rows and the token's rope_operands
+    (host copies wrote them: they may be read before the wait for the previous kernel). Without
+    ROPE, zeros stand in for slot, cos and sin."""
+    if ROPE:
+        rows, row_ok = rope_rows(N, ROWS, HALF)
+        token = tl.arange(0, 1)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, token, token < 1,
+                                       dtype, ROWS, HALF)
+    else:
+        rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
+        slot = tl.zeros([1], dtype=tl.int64)
+        cos = tl.zeros([1, ROWS // 2], dtype=tl.float32)
+        sin = cos
+    return rows, row_ok, slot, cos, sin
+
+
+@triton.jit
+def store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, bias, residual, norm_w,
+                          residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                          cache_stride_h, num_heads, num_kv_heads, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                          SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr,
+                          HALF: tl.constexpr):
+    """A one-row kernel's epilogue over its float32 outputs y [ROWS] for one_row_outputs' rows: the
+    add-norm (store_add_norm, with add_norm_operands' bias, residual and norm weight), RoPE with the
+    KV write (store_rope, with one_row_outputs' slot, cos and sin), or the plain or SiLU·up store
+    (store_one_row)."""
+    if ADD_NORM:
+        y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, SPLIT_K)
+        store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
+    elif ROPE:
+        store_rope(y, rows, row_ok, bias_ptr, part_ptr, count_ptr, N, slot, cos, sin, out_ptr, k_cache_ptr,
+                   v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, ROWS,
+                   HALF)
+    else:
+        store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+
+
+@triton.jit
 def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
     """A NormScale's factor (kernels/rmsnorm.py): rsqrt(sum of its `parts` sums of squares / hidden
     + eps). Read from L2 (.cg): other SMs wrote them, in the kernel before."""
@@ -127,12 +168,14 @@ def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
 
 
 @triton.jit
-def add_norm_operands(rows, ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS: tl.constexpr):
+def add_norm_operands(rows, ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr):
     """The add-norm epilogue's inputs for `rows` (ok: in range): (bias as float32, or 0.0, residual,
-    norm weight). Loaded before the wait for the previous kernel: the residual comes from an
+    norm weight); without ADD_NORM, zeros. Loaded before the wait for the previous kernel: the residual comes from an
     add-norm two or more kernels back (decode: the projection before the previous one), which
     finished before the previous kernel passed its own wait, so before this one was launched; it is
     read from L2 (.cg), where those writes are. Bias and weight are never written."""
+    if not ADD_NORM:  # stand-ins: store_one_row_outputs reads them only with ADD_NORM
+        return 0.0, 0.0, 0.0
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
