@@ -18,10 +18,10 @@ import triton.language as tl
 from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_arguments, rope_operands, rope_rows, rope_store_qkv, store_rope_kv
-from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, norm_arguments, norm_factor, norm_factors,
-                             one_row_outputs, one_row_rows, split_k_for, split_workspace, store_add_norm_rows,
-                             store_one_row_outputs, store_tile, sum_splits)
+from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
+from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, norm_arguments,
+                             norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
+                             store_few_rows_outputs, store_one_row_outputs)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -87,14 +87,9 @@ def _float_rows_kernel(
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
     alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
     kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    if ROPE:
-        cols, col_ok = rope_rows(N, BLOCK_N, HALF)
-        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, m, m_ok,
-                                       out_ptr.dtype.element_ty, BLOCK_N, HALF)
-    else:
-        cols, col_ok = one_row_rows(N, BLOCK_N, SILU_MUL)
+    m, m_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
+                                                             cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
+                                                             SILU_MUL, ROPE, HALF)
     wait_for_previous_kernel(PDL)
     k_begin = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + k_tiles_per_split * BLOCK_K, K)
@@ -113,33 +108,10 @@ def _float_rows_kernel(
             acc = tl.dot(xt, wt, acc)
     if NORM_IN:
         acc *= norm_factors(in_sumsq_ptr, m, m_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
-    if ADD_NORM or ROPE or SILU_MUL:
-        offs = m.to(tl.int64)[:, None] * N + cols[None, :]
-        y, ok = sum_splits(acc, part_ptr, count_ptr, offs, m_ok[:, None] & col_ok[None, :], M * N, SPLIT_K)
-    if ADD_NORM:
-        store_add_norm_rows(y, m, cols, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr, sumsq_ptr,
-                            N, HAS_BIAS)
-    elif ROPE:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        store_rope_kv(y, ok, m, slot, cos, sin, out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h,
-                      num_heads, num_kv_heads, BLOCK_N, HALF)
-    elif SILU_MUL:  # as store_one_row's: gate and up rounded to out's dtype first
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-        gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
-        gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [BLOCK_M, BLOCK_N // 2, 2]))
-        pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * (N // 2) + pairs[None, :],
-                 (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
-    else:
-        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, m, cols, M, N, HAS_BIAS, SPLIT_K)
-
-
-# Up to this many rows (decode batches, the smallest prefill chunks) the few-row kernel serves float
-# weights, with the epilogues; above it cuBLAS (its tensor-core tiles are one BLOCK_M of 16).
-FEW_ROWS = 16
+    store_few_rows_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, residual_ptr,
+                           norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr,
+                           cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL,
+                           ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:

@@ -24,9 +24,9 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_outputs, split_k_for, split_workspace, store_one_row_outputs, store_tile,
-                             tile_coords)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, matmul_config,
+                             norm_arguments, norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
+                             store_few_rows_outputs, store_one_row_outputs, store_tile, tile_coords)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -54,15 +54,26 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 def _fp8_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, tiles_per_split,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, FEW: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    """The tile GEMM. FEW: all M rows in one BLOCK_M tile (decode batches up to FEW_ROWS), with the
+    one-row kernels' epilogues per row (kernels/split_k.py's store_few_rows_outputs)."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if FEW:
+        rows, rows_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(
+            M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M,
+            BLOCK_N, SILU_MUL, ROPE, HALF)
+    else:
+        pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     split = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
@@ -84,7 +95,16 @@ def _fp8_matmul_kernel(
             else:
                 acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0) * 256.0
-    store_tile(acc * scale[None, :], out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    acc = acc * scale[None, :]
+    if FEW:
+        if NORM_IN:
+            acc *= norm_factors(in_sumsq_ptr, rows, rows_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
+        store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
+                               residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
+                               v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                               SPLIT_K, SILU_MUL, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
+    else:
+        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
 # e4m3 byte j of a word, moved to the top 8 bits and shifted right (arithmetically) by 4: its sign
@@ -198,7 +218,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       bias: torch.Tensor | None = None, silu_mul: bool = False,
                       norm_in: NormScale | None = None) -> torch.Tensor:
     """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16);
-    a norm_in (one row) scales the one-row kernel's outputs."""
+    up to FEW_ROWS rows the kernels apply a norm_in's factors and SiLU·up to their outputs."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
@@ -207,8 +227,10 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         x2 = x2.contiguous()
     if _one_row_ok(x2, weight):
         out, _, _ = _fp8_gemv(x2, weight, weight_scale, bias, silu_mul, norm_in, None)
+    elif x2.shape[0] <= FEW_ROWS:
+        out, _, _ = _fp8_matmul(x2, weight, weight_scale, bias, silu_mul, norm_in)
     else:
-        out = _fp8_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, weight_scale, bias)
+        out, _, _ = _fp8_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, weight_scale, bias)
         if silu_mul:
             out = activation.silu_mul(out)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -254,28 +276,38 @@ def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return out, residual_out, sumsq
 
 
-def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                silu_mul: bool = False, norm_in: NormScale | None = None,
+                add_norm: tuple[torch.Tensor, torch.Tensor] | None = None, rope: RopeKV | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] @ W.T + bias → [M, N] by the tile GEMM (any M; one row too where the GEMV's word
-    loads do not align)."""
+    loads do not align); up to FEW_ROWS rows with the epilogues, outputs as _fp8_gemv's."""
     out_features, in_features = weight.shape
     rows = x.shape[0]
+    few = rows <= FEW_ROWS
+    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
     if rows == 0:
-        return x.new_empty(0, out_features)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+        return x.new_empty(0, out_features), None, None
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
+        if q is None else q
     cfg = matmul_config(rows)
     block_k = 64
-    num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
+    paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
+    num_tiles = (triton.cdiv(out_features // 2, cfg["BLOCK_N"] // 2) if paired
+                 else triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"]))
     split_k, per_split = split_k_for(rows, num_tiles, triton.cdiv(in_features, block_k), in_features, x.device)
-    part, counts = split_workspace(out, split_k, num_tiles)
+    part, counts = split_workspace(out.view(rows, -1), split_k, num_tiles, out_features)
+    norm_args, residual_out, sumsq = norm_arguments(out, num_tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_matmul_kernel[(num_tiles, split_k)](
         x, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
-        rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
+        rows, out_features, in_features, x.stride(0), weight.stride(0), per_split, *norm_args, *rope_args,
         HAS_BIAS=bias is not None, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
-        PDL=pdl, **cfg, **launch_options(pdl),
+        FEW=few, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, **cfg, **launch_options(pdl),
     )
-    return out
+    return out, residual_out, sumsq
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,22 +366,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-    """As int4_linear_add_norm, for an FP8 weight: the one-row kernel's add-norm epilogue where it
-    runs and norms fold, else fp8_linear and the norm kernel."""
+    """As int4_linear_add_norm, for an FP8 weight: our kernels' add-norm epilogue up to FEW_ROWS rows
+    where norms fold, else fp8_linear and the norm kernel."""
     x2 = x.reshape(-1, weight.shape[1])
-    if folds_norms(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight):
-        out, h, sumsq = _fp8_gemv(x2.contiguous(), weight, weight_scale, bias, False, None,
-                                  (residual.reshape(1, -1), norm_weight))
+    if folds_norms(x) and weight.stride(1) == 1 and 1 <= x2.shape[0] <= FEW_ROWS:
+        kernel = _fp8_gemv if _one_row_ok(x2, weight) else _fp8_matmul
+        out, h, sumsq = kernel(x2.contiguous(), weight, weight_scale, bias, False, None,
+                               (residual.reshape(x2.shape[0], -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(fp8_linear(x, weight, weight_scale, bias), norm_weight, eps, residual), None)
 
 
 def fp8_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                        norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
-    """As int4_linear_rope_kv, for an FP8 weight: the rotated q [1, heads, head_dim] from the one-row
-    kernel's RoPE epilogue where it runs, else fp8_linear and rope_store_kv."""
+    """As int4_linear_rope_kv, for an FP8 weight: the rotated q [tokens, heads, head_dim] from our
+    kernels' RoPE epilogue up to FEW_ROWS rows, else fp8_linear and rope_store_kv."""
     x2 = x.reshape(-1, weight.shape[1])
-    if use_triton(x) and weight.stride(1) == 1 and _one_row_ok(x2, weight) and rope.head_dim % 2 == 0:
-        q, _, _ = _fp8_gemv(x2.contiguous(), weight, weight_scale, bias, False, norm_in, None, rope)
+    if use_triton(x) and weight.stride(1) == 1 and 1 <= x2.shape[0] <= FEW_ROWS and rope.head_dim % 2 == 0:
+        kernel = _fp8_gemv if _one_row_ok(x2, weight) else _fp8_matmul
+        q, _, _ = kernel(x2.contiguous(), weight, weight_scale, bias, False, norm_in, None, rope)
         return q
     return rope_store_qkv(fp8_linear(x, weight, weight_scale, bias, norm_in=norm_in), rope)

@@ -24,9 +24,9 @@ from kernels.dispatch import folds_norms, launch_options, programmatic_launch, u
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (add_norm_operands, gemv_split, large_tiling, matmul_config, norm_arguments, norm_factor,
-                             one_row_outputs, split_k_for, split_workspace, store_one_row_outputs, store_tile,
-                             tile_coords)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, matmul_config,
+                             norm_arguments, norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
+                             store_few_rows_outputs, store_one_row_outputs, store_tile, tile_coords)
 
 # Above this many rows (prefill chunks) the weight is dequantized into x's dtype once and the
 # product is cuBLAS's; up to it, the tile GEMM reads the 4-bit weights directly. 1,024 lies between
@@ -167,15 +167,26 @@ def _int4_gemv_kernel(
 def _int4_matmul_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_w, stride_g, group_size, tiles_per_split,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, FEW: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    """The tile GEMM. FEW: all M rows in one BLOCK_M tile (decode batches up to FEW_ROWS), with the
+    one-row kernels' epilogues per row (kernels/split_k.py's store_few_rows_outputs)."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if FEW:
+        rows, rows_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(
+            M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M,
+            BLOCK_N, SILU_MUL, ROPE, HALF)
+    else:
+        pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     split = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     words = tl.arange(0, BLOCK_K // 8)
     shifts = (ks % 8) * 4  # k = 8c + j sits in nibble j of word c
@@ -197,7 +208,15 @@ def _int4_matmul_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    if FEW:
+        if NORM_IN:
+            acc *= norm_factors(in_sumsq_ptr, rows, rows_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
+        store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
+                               residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
+                               v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                               SPLIT_K, SILU_MUL, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
+    else:
+        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -263,19 +282,30 @@ def _checked(weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, gr
 def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                        group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False,
                        norm_in: NormScale | None = None) -> torch.Tensor:
-    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); a
-    norm_in's factor scales the one-row kernels' outputs (x itself, first, on the other paths)."""
+    """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); up to
+    FEW_ROWS rows a norm_in's factors scale the kernels' outputs (x itself, first, above)."""
     weight, zeros, scales = _checked(weight, zeros, scales, group_size)
     x2 = x.reshape(-1, weight.shape[1] * 8)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 1:
-        out, _, _ = _one_row(x2, weight, zeros, scales, group_size, bias, silu_mul, norm_in, None)
+    if x2.shape[0] <= FEW_ROWS:
+        out, _, _ = _rows(x2, weight, zeros, scales, group_size, bias, silu_mul, norm_in, None)
     else:
-        out = _int4_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, zeros, scales, group_size, bias)
+        out, _, _ = _int4_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, zeros, scales, group_size,
+                                 bias)
         if silu_mul:
             out = activation.silu_mul(out)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+          bias: torch.Tensor | None, silu_mul: bool, norm_in: NormScale | None,
+          add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [M, K] (M <= FEW_ROWS, contiguous) through the GEMV (one row) or the few-row tile GEMM,
+    with the epilogues: outputs as _one_row's, with M rows."""
+    kernel = _one_row if x.shape[0] == 1 else _int4_matmul
+    return kernel(x, weight, zeros, scales, group_size, bias, silu_mul, norm_in, add_norm, rope)
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -307,30 +337,41 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
 
 
 def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                 group_size: int, bias: torch.Tensor | None, silu_mul: bool = False, norm_in: NormScale | None = None,
+                 add_norm: tuple[torch.Tensor, torch.Tensor] | None = None, rope: RopeKV | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] @ W.T + bias → [M, N] for M > 1: the tile GEMM (up to TILE_GEMM_MAX_ROWS rows) or
-    the weight dequantized once and cuBLAS (prefill)."""
+    the weight dequantized once and cuBLAS (prefill); up to FEW_ROWS rows with the epilogues,
+    outputs as _one_row's."""
     out_features, words = weight.shape
     in_features = words * 8
     rows = x.shape[0]
+    few = rows <= FEW_ROWS
+    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
     if rows == 0:
-        return x.new_empty(0, out_features)
+        return x.new_empty(0, out_features), None, None
     if rows > TILE_GEMM_MAX_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
         w = dequantize_int4_triton(weight, zeros, scales, group_size, x.dtype)
-        return torch.nn.functional.linear(x, w, bias)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+        return torch.nn.functional.linear(x, w, bias), None, None
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
+        if q is None else q
     pdl = programmatic_launch(x)
     cfg = matmul_config(rows)
     block_k = min(group_size, 64)
-    num_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"])
+    paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
+    num_tiles = (triton.cdiv(out_features // 2, cfg["BLOCK_N"] // 2) if paired
+                 else triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(out_features, cfg["BLOCK_N"]))
     split_k, per_split = split_k_for(rows, num_tiles, in_features // block_k, in_features, x.device)
-    part, counts = split_workspace(out, split_k, num_tiles)
+    part, counts = split_workspace(out.view(rows, -1), split_k, num_tiles, out_features)
+    norm_args, residual_out, sumsq = norm_arguments(out, num_tiles, norm_in, add_norm)
     _int4_matmul_kernel[(num_tiles, split_k)](
         x, weight, zeros, scales, bias, out, part, counts, rows, out_features, in_features, x.stride(0),
-        weight.stride(0), zeros.stride(0), group_size, per_split,
+        weight.stride(0), zeros.stride(0), group_size, per_split, *norm_args, *rope_args,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK_K=block_k, GROUP_M=8, IEEE=x.dtype == torch.float32,
-        PDL=pdl, **cfg, **launch_options(pdl))
-    return out
+        FEW=few, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, **cfg, **launch_options(pdl))
+    return out, residual_out, sumsq
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -350,17 +391,18 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scal
 def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                          group_size: int, bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-    """y = x @ W.T + bias for one row x [1, K], then the residual add and RMSNorm that follow it, as
-    kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual y + residual,
-    and the NormScale the next projection applies (int4_linear's norm_in). On the one-row kernels
-    it is their epilogue: no norm kernel between two projections. Under PDL the kernel reads
+    """y = x @ W.T + bias for up to FEW_ROWS rows x [M, K], then the residual add and RMSNorm that
+    follow it, as kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual
+    y + residual, and the NormScale the next projection applies (int4_linear's norm_in). It is the
+    kernels' epilogue: no norm kernel between two projections. Under PDL the one-row kernel reads
     `residual` before waiting for the kernel before it, so that kernel must not be what wrote it
     (in the decoder an add-norm's residual comes from the add-norm two or more kernels back).
-    Elsewhere (several rows, or inside unfolded_norms()) the projection, then the norm kernel:
+    Elsewhere (more rows, or inside unfolded_norms()) the projection, then the norm kernel:
     (normalized, new residual, None)."""
-    if folds_norms(x) and x.numel() == x.shape[-1]:
-        out, h, sumsq = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
-                                 group_size, bias, False, None, (residual.reshape(1, -1), norm_weight))
+    rows = x.numel() // x.shape[-1]
+    if folds_norms(x) and 1 <= rows <= FEW_ROWS:
+        out, h, sumsq = _rows(x.reshape(rows, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
+                              group_size, bias, False, None, (residual.reshape(rows, -1), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(int4_linear(x, weight, zeros, scales, group_size, bias), norm_weight, eps, residual), None)
 
@@ -368,11 +410,12 @@ def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Ten
 def int4_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                         group_size: int, bias: torch.Tensor | None, norm_in: NormScale | None, rope: RopeKV
                         ) -> torch.Tensor:
-    """A merged QKV projection of one row x [1, K], then RoPE and the KV write, in the GEMV's
-    epilogue (kernels/float_linear.py's float_linear_rope_kv): the rotated q [1, heads, head_dim].
-    Elsewhere the projection, then rope_store_kv."""
-    if use_triton(x) and x.numel() == x.shape[-1] and rope.head_dim % 2 == 0:
-        q, _, _ = _one_row(x.reshape(1, -1).contiguous(), *_checked(weight, zeros, scales, group_size), group_size,
-                           bias, False, norm_in, None, rope)
+    """A merged QKV projection of up to FEW_ROWS rows x [M, K], then RoPE and the KV write, in the
+    kernels' epilogue (kernels/float_linear.py's float_linear_rope_kv): the rotated q [M, heads,
+    head_dim]. Elsewhere the projection, then rope_store_kv."""
+    rows = x.numel() // x.shape[-1]
+    if use_triton(x) and 1 <= rows <= FEW_ROWS and rope.head_dim % 2 == 0:
+        q, _, _ = _rows(x.reshape(rows, -1).contiguous(), *_checked(weight, zeros, scales, group_size), group_size,
+                        bias, False, norm_in, None, rope)
         return q
     return rope_store_qkv(int4_linear(x, weight, zeros, scales, group_size, bias, norm_in=norm_in), rope)

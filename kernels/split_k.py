@@ -18,6 +18,9 @@ from kernels.rope import rope_operands, rope_rows, store_rope_kv
 
 # Weights (N x K) from which the one-row kernels take their large tiling (large_tiling).
 LARGE_TILING_MIN_WEIGHTS = 8 << 20
+# Up to this many rows (decode batches, the smallest prefill chunks) the linear kernels are few-row
+# ones: all rows in one 16-row tensor-core tile, with the one-row kernels' epilogues per row.
+FEW_ROWS = 16
 
 
 @triton.jit
@@ -154,6 +157,62 @@ def store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_pt
                    HALF)
     else:
         store_one_row(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, HAS_BIAS, SPLIT_K, SILU_MUL, ROWS)
+
+
+@triton.jit
+def few_rows_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ROPE: tl.constexpr,
+                     HALF: tl.constexpr):
+    """one_row_outputs for a few-row kernel, whose M rows (up to FEW_ROWS) are one BLOCK_M tile and
+    whose program_id(0) is the tile of BLOCK_N weight rows (output columns): (rows, rows_ok, cols,
+    col_ok, slot, cos, sin), cols in one_row_rows' or rope_rows' order, one slot and cos/sin row a
+    row of x."""
+    rows = tl.arange(0, BLOCK_M)
+    rows_ok = rows < M
+    if ROPE:
+        cols, col_ok = rope_rows(N, BLOCK_N, HALF)
+        slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, rows, rows_ok,
+                                       dtype, BLOCK_N, HALF)
+    else:
+        cols, col_ok = one_row_rows(N, BLOCK_N, SILU_MUL)
+        slot = tl.zeros([BLOCK_M], dtype=tl.int64)
+        cos = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
+        sin = cos
+    return rows, rows_ok, cols, col_ok, slot, cos, sin
+
+
+@triton.jit
+def store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
+                           residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
+                           v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads,
+                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                           ADD_NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HALF: tl.constexpr):
+    """store_one_row_outputs for a few-row kernel's float32 tile acc [BLOCK_M, BLOCK_N] at
+    few_rows_outputs' rows and cols: the add-norm (one sum of squares a row), RoPE with the KV write
+    (each row its token's slot), SiLU·up (gate and up rounded to out's dtype first), or the plain
+    store, after the splits are summed."""
+    if ADD_NORM or ROPE or SILU_MUL:
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        y, ok = sum_splits(acc, part_ptr, count_ptr, offs, rows_ok[:, None] & col_ok[None, :], M * N, SPLIT_K)
+        if ADD_NORM:
+            store_add_norm_rows(y, rows, cols, ok, bias_ptr, residual_ptr, norm_w_ptr, out_ptr, residual_out_ptr,
+                                sumsq_ptr, N, HAS_BIAS)
+        else:
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if ROPE:
+                store_rope_kv(y, ok, rows, slot, cos, sin, out_ptr, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+                              cache_stride_h, num_heads, num_kv_heads, BLOCK_N, HALF)
+            else:
+                y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+                gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+                gate_ok, _ = tl.split(tl.reshape(ok.to(tl.int32), [BLOCK_M, BLOCK_N // 2, 2]))
+                pairs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * (N // 2) + pairs[None, :],
+                         (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=gate_ok != 0)
+    else:
+        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit

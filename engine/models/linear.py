@@ -13,12 +13,13 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.dispatch import folds_norms, use_triton
-from kernels.float_linear import FEW_ROWS, float_linear, float_linear_add_norm, float_linear_rope_kv, rows_of
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, rows_of
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_store_qkv
+from kernels.split_k import FEW_ROWS
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -33,7 +34,7 @@ class Projection(nn.Module):
     factors, add_norm and rope_store_kv. Up to fused_rows rows (decode batches) the format's own
     kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
 
-    fused_rows = 1  # rows up to which the format's kernels have the epilogues (one-row kernels: 1)
+    fused_rows = FEW_ROWS  # rows up to which the format's kernels have the epilogues
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
@@ -63,8 +64,6 @@ class Projection(nn.Module):
 
 class Linear(Projection):
     """y = x W^T + b with W [out_features, in_features] in the model's dtype."""
-
-    fused_rows = FEW_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()

@@ -215,9 +215,10 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> None:
+def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int) -> None:
     """Batch-1 decode's folded norm: o_proj and down_proj (int4: the GEMV's small and
     large tilings, split along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
     NormScale; against rms_norm between the plain projections. Then the chain replayed in a CUDA
@@ -240,12 +241,12 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
             return fp8_linear_add_norm(x, *w, None, residual, norm, 1e-5)
 
     hidden = SHAPES["o"][1]
-    residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
     chain = []
     for producer, consumer, silu in (("o", "gate_up", True), ("down", "qkv", False)):
         wp, wc = make(*SHAPES[producer]), make(*SHAPES[consumer])
-        x = torch.randn(1, SHAPES[producer][0], device="cuda", dtype=dtype)
+        x = torch.randn(rows, SHAPES[producer][0], device="cuda", dtype=dtype)
         with nan_poisoned_allocations():
             u, h, scale = add_norm(x, wp, residual)
             out = project(u, wc, silu, scale)
@@ -266,9 +267,10 @@ def test_norm_folded_into_the_one_row_kernels(fmt: str, dtype: torch.dtype) -> N
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype) -> None:
+def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tokens: int) -> None:
     """The one-row QKV kernel with RoPE and the KV write as its epilogue, at Llama-3.2-1B's QKV: bit
     for bit the projection followed by rope_store_kv's kernel (q and both caches)."""
     k, n = SHAPES["qkv"]
@@ -282,14 +284,14 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype) -> 
         w8 = fp8_weight(k, n)
         project = lambda x: fp8_linear(x, *w8, bias)  # noqa: E731
         fused = lambda x, rope: fp8_linear_rope_kv(x, *w8, bias, None, rope)  # noqa: E731
-    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, k, device="cuda", dtype=dtype)
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
     cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
     caches = [cache.clone(), cache.clone()]
 
     def rope(c: torch.Tensor) -> RopeKV:
-        return RopeKV(torch.tensor([3001], device="cuda"), cos_sin, c[0], c[1], torch.tensor([517], device="cuda"),
-                      heads, kv_heads, head_dim)
+        return RopeKV(torch.arange(3001, 3001 + tokens, device="cuda"), cos_sin, c[0], c[1],
+                      torch.arange(517, 517 + 3 * tokens, 3, device="cuda"), heads, kv_heads, head_dim)
 
     with nan_poisoned_allocations():
         q = fused(x, rope(caches[0]))
