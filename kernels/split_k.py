@@ -229,17 +229,19 @@ def norm_factor(sumsq_ptr, parts, hidden, eps, PARTS: tl.constexpr):
 @triton.jit
 def add_norm_operands(rows, ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr):
     """The add-norm epilogue's inputs for `rows` (ok: in range): (bias as float32, or 0.0, residual,
-    norm weight); without ADD_NORM, zeros. Loaded before the wait for the previous kernel: the residual comes from an
-    add-norm two or more kernels back (decode: the projection before the previous one), which
-    finished before the previous kernel passed its own wait, so before this one was launched; it is
-    read from L2 (.cg), where those writes are. Bias and weight are never written."""
-    if not ADD_NORM:  # stand-ins: store_one_row_outputs reads them only with ADD_NORM
-        return 0.0, 0.0, 0.0
+    norm weight); without ADD_NORM, zeros (store_one_row_outputs reads them only with it). Loaded
+    before the wait for the previous kernel: the residual comes from an add-norm two or more
+    kernels back (decode: the projection before the previous one), which finished before the
+    previous kernel passed its own wait, so before this one was launched; it is read from L2 (.cg),
+    where those writes are. Bias and weight are never written."""
     bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
-    norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
+    residual = 0.0
+    norm_w = 0.0
+    if ADD_NORM:  # one return of one type: Triton checks every return against the others
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        residual = tl.load(residual_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+        norm_w = tl.load(norm_w_ptr + rows, mask=ok, other=0.0)
     return bias, residual, norm_w
 
 

@@ -1,0 +1,85 @@
+"""Compile every Triton kernel the decoder launches for Hopper (sm_90), on a machine without a GPU:
+what the interpreter cannot check (layouts, shapes the compiler refuses, inline PTX). Run as a
+script in a fresh interpreter (test_sm90_compile.py does), since pytest's conftest puts Triton in
+interpreter mode.
+
+The decoder runs as in the interpreter tests (CPU tensors, TRITON_INTERPRET=1 for use_triton), but
+each launch is compiled with triton.compile for an H200 instead of run, launched with PDL and
+FP8's hardware e4m3 conversion as on the GPU. The outputs are never written: only the launches'
+arguments matter. Prints one line per distinct kernel variant compiled.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JITFunctions, not interpreted ones
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg")
+compiled: dict[tuple, str] = {}
+
+
+def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
+    """JITFunction.run's stand-in: triton.compile for TARGET with the launch's types and constants."""
+    options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
+    values = dict(zip((p.name for p in self.params), args)) | kwargs
+    signature, constexprs = {}, {}
+    for p in self.params:
+        value = values.get(p.name, p.default)
+        if p.is_constexpr or value is None:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        else:
+            signature[p.name] = mangle_type(value)
+    key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(sorted(options.items())))
+    if key not in compiled:
+        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=TARGET,
+                       options=options)
+        flags = " ".join(k if v is True else f"{k}={v}" for k, v in constexprs.items()
+                         if v is True or (v not in (None, False) and not isinstance(v, bool)))
+        compiled[key] = f"{self.fn.__name__}: {flags}"
+        print(compiled[key], flush=True)
+
+
+def main() -> int:
+    import kernels.fp8_linear as fp8_linear  # imported before TRITON_INTERPRET is set: JITFunctions
+    import kernels.split_k as split_k
+    from bench.gpu import int4_checkpoint
+    from engine.loader import RANDOM_PREFIX, load_model
+    from engine.packed_prefill import prompt_logits
+
+    JITFunction.run = compile_instead
+    os.environ["TRITON_INTERPRET"] = "1"  # use_triton() sends CPU tensors to the (compiled-instead) kernels
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("kernels.")]:
+        if hasattr(module, "programmatic_launch"):  # as in a decode step's CUDA graph on Hopper
+            module.programmatic_launch = lambda t: True
+    fp8_linear._has_e4m3_cvt = lambda device: True  # the GPU's e4m3 decode (inline PTX)
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        int4 = int4_checkpoint("tiny-llama3", 0, cpu, Path(tmp) / "int4")
+        models = {"bf16": (RANDOM_PREFIX + "tiny-qwen2", None), "fp8": (RANDOM_PREFIX + "tiny-llama3", "fp8"),
+                  "int4": (int4, None), "fp32": (RANDOM_PREFIX + "tiny-llama3", None)}
+        for name, (path, quantization) in models.items():
+            model = load_model(path, torch.float32 if name == "fp32" else torch.bfloat16, cpu,
+                               quantization=quantization)
+            for large in (False, True):  # the one-row kernels' small and large weights' tilings
+                split_k.LARGE_TILING_MIN_WEIGHTS = 0 if large else 8 << 20
+                for prompt in ([7], [5, 7, 9], list(range(3, 40))):  # one row, a few rows, more (prefill)
+                    prompt_logits(model, prompt)
+    print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
