@@ -3,7 +3,8 @@
 One program per (sequence, KV head, split): it reads its KV tiles (64 tokens over several blocks)
 once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
 and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts
-are spread over splits so that a small batch still fills the GPU. Only device tensors are read (no
+are spread over splits so that a small batch still fills the GPU; a batch that fills it alone
+(one split) takes one pass, the split kernel writing the output and no merge kernel after. Only device tensors are read (no
 host syncs), so it can be captured in a CUDA graph for a fixed batch size and number of splits.
 """
 from __future__ import annotations
@@ -18,9 +19,9 @@ from kernels.dispatch import launch_options, programmatic_launch, sm_count, wait
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale,
-    stride_q_t, stride_q_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_blk, stride_c_pos, stride_c_kv,
     stride_tab,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -64,12 +65,16 @@ def _decode_split_kernel(
         valid = tok < seq_len
         m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, valid[None, :],
                                    m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
-    # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
-    lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=head_ok)
+    if NUM_SPLITS == 1:  # one pass: the output itself, and no merge kernel after
+        tl.store(out_ptr + seq * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        # An empty split (past the sequence's end) leaves l = 0: its lse is -inf and it weighs nothing.
+        lse = tl.where(l > 0, m + tl.log(l), float("-inf"))
+        row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=head_ok[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=head_ok)
 
 
 @triton.jit
@@ -105,20 +110,25 @@ def decode_attention_triton(
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
-    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if num_splits == 1:  # the split kernel writes out itself: no partials
+        part_out = part_lse = out
+    else:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = programmatic_launch(q)
     _decode_split_kernel[(batch, num_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         scale,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
         **launch_options(pdl),
     )
-    out = torch.empty_like(q)
+    if num_splits == 1:
+        return out
     _merge_splits_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2), PDL=pdl,

@@ -57,6 +57,7 @@ def main() -> int:
     from bench.gpu import int4_checkpoint
     from engine.loader import RANDOM_PREFIX, load_model
     from engine.packed_prefill import prompt_logits
+    from kernels.decode_attention import decode_attention_triton
 
     JITFunction.run = compile_instead
     os.environ["TRITON_INTERPRET"] = "1"  # use_triton() sends CPU tensors to the (compiled-instead) kernels
@@ -77,6 +78,12 @@ def main() -> int:
                 split_k.LARGE_TILING_MIN_WEIGHTS = 0 if large else 8 << 20
                 for prompt in ([7], [5, 7, 9], list(range(3, 40))):  # one row, a few rows, more (prefill)
                     prompt_logits(model, prompt)
+    # Decode attention in one pass (a batch that fills the GPU alone) and in splits, bf16.
+    q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    for splits in (1, 4):
+        decode_attention_triton(q, cache, cache, torch.zeros(2, 4, dtype=torch.int32),
+                                torch.tensor([5, 40], dtype=torch.int32), 0.125, splits)
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
     return 0
 
