@@ -19,9 +19,9 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, norm_arguments,
-                             norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
-                             store_few_rows_outputs, store_one_row_outputs)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_outputs, norm_arguments,
+                             norm_factor, one_row_outputs, split_k_for, split_workspace, store_matmul_outputs,
+                             store_one_row_outputs)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -87,9 +87,9 @@ def _float_rows_kernel(
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
     alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
     kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
-    m, m_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
-                                                             cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
-                                                             SILU_MUL, ROPE, HALF)
+    m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
+                                                           cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, 1,
+                                                           True, SILU_MUL, ROPE, HALF)
     wait_for_previous_kernel(PDL)
     k_begin = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + k_tiles_per_split * BLOCK_K, K)
@@ -106,12 +106,10 @@ def _float_rows_kernel(
             acc = tl.dot(xt, wt, acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, wt, acc)
-    if NORM_IN:
-        acc *= norm_factors(in_sumsq_ptr, m, m_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
-    store_few_rows_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, residual_ptr,
-                           norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr,
-                           cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL,
-                           ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
+    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
+                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
+                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                         SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:

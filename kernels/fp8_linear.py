@@ -24,9 +24,9 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, matmul_config,
-                             norm_arguments, norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
-                             store_few_rows_outputs, store_one_row_outputs, store_tile, tile_coords)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_config, matmul_outputs,
+                             norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
+                             store_matmul_outputs, store_one_row_outputs)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -62,17 +62,11 @@ def _fp8_matmul_kernel(
     NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tile GEMM. FEW: all M rows in one BLOCK_M tile (decode batches up to FEW_ROWS), with the
-    one-row kernels' epilogues per row (kernels/split_k.py's store_few_rows_outputs)."""
+    one-row kernels' epilogues per row (kernels/split_k.py's store_matmul_outputs)."""
     wait_for_previous_kernel(PDL)
-    if FEW:
-        rows, rows_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(
-            M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M,
-            BLOCK_N, SILU_MUL, ROPE, HALF)
-    else:
-        pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    rows, rows_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
+        M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
+        GROUP_M, FEW, SILU_MUL, ROPE, HALF)
     split = tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
@@ -85,26 +79,17 @@ def _fp8_matmul_kernel(
         # e4m3's sign, exponent and mantissa moved into a float16's fields: exactly the e4m3 value
         # / 2**8, subnormals included (the 2**8 joins the channel scale; e4m3fn's NaN reads as 480).
         w = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        if BLOCK_M == 1:
-            xk = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(xk[:, None] * w.to(tl.float32), axis=0)[None, :]
+        xt = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, w.to(tl.float32), acc, input_precision="ieee")
         else:
-            xt = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xt, w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc)
+            acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0) * 256.0
     acc = acc * scale[None, :]
-    if FEW:
-        if NORM_IN:
-            acc *= norm_factors(in_sumsq_ptr, rows, rows_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
-        store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
-                               residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
-                               v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                               SPLIT_K, SILU_MUL, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
-    else:
-        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
+                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
+                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                         SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
 
 
 # e4m3 byte j of a word, moved to the top 8 bits and shifted right (arithmetically) by 4: its sign

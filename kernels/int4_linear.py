@@ -24,9 +24,9 @@ from kernels.dispatch import folds_norms, launch_options, programmatic_launch, u
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows_outputs, gemv_split, large_tiling, matmul_config,
-                             norm_arguments, norm_factor, norm_factors, one_row_outputs, split_k_for, split_workspace,
-                             store_few_rows_outputs, store_one_row_outputs, store_tile, tile_coords)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_config, matmul_outputs,
+                             norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
+                             store_matmul_outputs, store_one_row_outputs)
 
 # Above this many rows (prefill chunks) the weight is dequantized into x's dtype once and the
 # product is cuBLAS's; up to it, the tile GEMM reads the 4-bit weights directly. 1,024 lies between
@@ -175,17 +175,11 @@ def _int4_matmul_kernel(
     NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tile GEMM. FEW: all M rows in one BLOCK_M tile (decode batches up to FEW_ROWS), with the
-    one-row kernels' epilogues per row (kernels/split_k.py's store_few_rows_outputs)."""
+    one-row kernels' epilogues per row (kernels/split_k.py's store_matmul_outputs)."""
     wait_for_previous_kernel(PDL)
-    if FEW:
-        rows, rows_ok, cols, col_ok, slot, cos, sin = few_rows_outputs(
-            M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M,
-            BLOCK_N, SILU_MUL, ROPE, HALF)
-    else:
-        pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    rows, rows_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
+        M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
+        GROUP_M, FEW, SILU_MUL, ROPE, HALF)
     split = tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
     words = tl.arange(0, BLOCK_K // 8)
@@ -208,15 +202,10 @@ def _int4_matmul_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    if FEW:
-        if NORM_IN:
-            acc *= norm_factors(in_sumsq_ptr, rows, rows_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
-        store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
-                               residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
-                               v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                               SPLIT_K, SILU_MUL, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
-    else:
-        store_tile(acc, out_ptr, bias_ptr, part_ptr, count_ptr, rows, cols, M, N, HAS_BIAS, SPLIT_K)
+    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
+                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
+                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                         SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
 
 
 @triton.jit

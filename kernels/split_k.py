@@ -160,21 +160,29 @@ def store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_pt
 
 
 @triton.jit
-def few_rows_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr, ROPE: tl.constexpr,
-                     HALF: tl.constexpr):
-    """one_row_outputs for a few-row kernel, whose M rows (up to FEW_ROWS) are one BLOCK_M tile and
-    whose program_id(0) is the tile of BLOCK_N weight rows (output columns): (rows, rows_ok, cols,
-    col_ok, slot, cos, sin), cols in one_row_rows' or rope_rows' order, one slot and cos/sin row a
-    row of x."""
-    rows = tl.arange(0, BLOCK_M)
+def matmul_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FEW: tl.constexpr,
+                   SILU_MUL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
+    """A tile GEMM program's (rows, rows_ok, cols, col_ok, slot, cos, sin). FEW, a few-row kernel
+    (M up to FEW_ROWS, one BLOCK_M tile; program_id(0) the tile of BLOCK_N weight rows, the output
+    columns): one_row_outputs' per row, cols in one_row_rows' or rope_rows' order. Else tile_coords'
+    tile, zeros standing in for slot, cos and sin."""
+    if FEW:
+        rows = tl.arange(0, BLOCK_M)
+        if ROPE:
+            cols, col_ok = rope_rows(N, BLOCK_N, HALF)
+        else:
+            cols, col_ok = one_row_rows(N, BLOCK_N, SILU_MUL)
+    else:
+        pid_m, pid_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     rows_ok = rows < M
     if ROPE:
-        cols, col_ok = rope_rows(N, BLOCK_N, HALF)
         slot, cos, sin = rope_operands(positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, rows, rows_ok,
                                        dtype, BLOCK_N, HALF)
     else:
-        cols, col_ok = one_row_rows(N, BLOCK_N, SILU_MUL)
         slot = tl.zeros([BLOCK_M], dtype=tl.int64)
         cos = tl.zeros([BLOCK_M, BLOCK_N // 2], dtype=tl.float32)
         sin = cos
@@ -182,17 +190,20 @@ def few_rows_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin
 
 
 @triton.jit
-def store_few_rows_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N,
-                           residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr,
-                           v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads,
-                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                           ADD_NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HALF: tl.constexpr):
-    """store_one_row_outputs for a few-row kernel's float32 tile acc [BLOCK_M, BLOCK_N] at
-    few_rows_outputs' rows and cols: the add-norm (one sum of squares a row), RoPE with the KV write
-    (each row its token's slot), SiLU·up (gate and up rounded to out's dtype first), or the plain
-    store, after the splits are summed."""
-    if ADD_NORM or ROPE or SILU_MUL:
+def store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
+                         in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos,
+                         sin, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads,
+                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FEW: tl.constexpr, SILU_MUL: tl.constexpr,
+                         NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """A tile GEMM's float32 tile acc [BLOCK_M, BLOCK_N] at matmul_outputs' rows and cols. FEW:
+    store_one_row_outputs per row, each row's norm factor applied first (NORM_IN): the add-norm (one
+    sum of squares a row), RoPE with the KV write (each row its token's slot), SiLU·up (gate and up
+    rounded to out's dtype first), or the plain store, after the splits are summed. Else the plain
+    store (store_tile)."""
+    if FEW and NORM_IN:
+        acc *= norm_factors(in_sumsq_ptr, rows, rows_ok, in_parts, K, eps, BLOCK_M, 256)[:, None]
+    if FEW and (ADD_NORM or ROPE or SILU_MUL):
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         y, ok = sum_splits(acc, part_ptr, count_ptr, offs, rows_ok[:, None] & col_ok[None, :], M * N, SPLIT_K)
         if ADD_NORM:

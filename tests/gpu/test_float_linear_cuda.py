@@ -9,9 +9,8 @@ import torch
 from kernels.activation import silu_mul
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv
 from kernels.rmsnorm import rms_norm
-from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
 from tests.gpu.test_kernels_cuda import rel_err
-from tests.gpu.test_quant_kernels_cuda import replayed
+from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -96,18 +95,8 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype, t
     hidden, qkv, _ = MODELS[model]
     head_dim = 64 if hidden < 4096 else 128
     kv_heads = {896: 2, 2048: 8, 4096: 8}[hidden]
-    heads = qkv // head_dim - 2 * kv_heads
     w, bias = weight(hidden, qkv, dtype), torch.randn(qkv, device="cuda", dtype=dtype)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
-    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
-    cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
-    caches = [cache.clone(), cache.clone()]
+    check_rope_epilogue(lambda x: float_linear(x, w, bias), lambda x, rope: float_linear_rope_kv(x, w, bias, None, rope),
+                        torch.randn(tokens, hidden, device="cuda", dtype=dtype), qkv // head_dim - 2 * kv_heads,
+                        kv_heads, head_dim)
 
-    def rope(c: torch.Tensor) -> RopeKV:
-        return RopeKV(torch.arange(3001, 3001 + tokens, device="cuda"), cos_sin, c[0], c[1],
-                      torch.arange(517, 517 + 3 * tokens, 3, device="cuda"), heads, kv_heads, head_dim)
-
-    with nan_poisoned_allocations():
-        q = float_linear_rope_kv(x, w, bias, None, rope(caches[0]))
-    assert torch.equal(q, rope_store_qkv(float_linear(x, w, bias), rope(caches[1])))
-    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)

@@ -284,9 +284,17 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tok
         w8 = fp8_weight(k, n)
         project = lambda x: fp8_linear(x, *w8, bias)  # noqa: E731
         fused = lambda x, rope: fp8_linear_rope_kv(x, *w8, bias, None, rope)  # noqa: E731
-    x = torch.randn(tokens, k, device="cuda", dtype=dtype)
+    check_rope_epilogue(project, fused, torch.randn(tokens, k, device="cuda", dtype=dtype), heads, kv_heads, head_dim)
+
+
+def check_rope_epilogue(project: Callable[[torch.Tensor], torch.Tensor],
+                        fused: Callable[[torch.Tensor, RopeKV], torch.Tensor], x: torch.Tensor, heads: int,
+                        kv_heads: int, head_dim: int) -> None:
+    """A QKV kernel with the RoPE epilogue (fused) against its projection then rope_store_kv: q and
+    both caches bit for bit, x's tokens at positions from 3,001 and every third slot from 517."""
+    tokens = x.shape[0]
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
-    cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=dtype)
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=x.dtype)
     caches = [cache.clone(), cache.clone()]
 
     def rope(c: torch.Tensor) -> RopeKV:
