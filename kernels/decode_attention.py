@@ -4,8 +4,9 @@ One program per (sequence, KV head, split): it reads its KV tiles (64 tokens ove
 once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
 and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts
 are spread over splits so that a small batch still fills the GPU; a batch that fills it alone
-(one split) takes one pass, the split kernel writing the output and no merge kernel after. Only device tensors are read (no
-host syncs), so it can be captured in a CUDA graph for a fixed batch size and number of splits.
+(one split) takes one pass, the split kernel writing the output and no merge kernel after. Only
+device tensors are read (no host syncs), so it can be captured in a CUDA graph for a fixed batch
+size and number of splits.
 """
 from __future__ import annotations
 

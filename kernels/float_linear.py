@@ -19,7 +19,7 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_outputs, norm_arguments,
+from kernels.split_k import (add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs, norm_arguments,
                              norm_factor, one_row_outputs, split_k_for, split_workspace, store_matmul_outputs,
                              store_one_row_outputs)
 
@@ -87,9 +87,9 @@ def _float_rows_kernel(
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
     alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
     kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
-    m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr,
-                                                           cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, 1,
-                                                           True, SILU_MUL, ROPE, HALF)
+    m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
+        M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
+        1, True, SILU_MUL, ROPE, HALF)
     wait_for_previous_kernel(PDL)
     k_begin = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + k_tiles_per_split * BLOCK_K, K)
@@ -124,15 +124,10 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=step, num_warps=2, split=True)
 
 
-def rows_of(x: torch.Tensor) -> int:
-    """The rows of x [..., K]."""
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FEW_ROWS: the few-row
     kernel), which have the epilogues: on Triton, a unit-stride weight."""
-    return use_triton(x) and 1 <= rows_of(x) <= FEW_ROWS and weight.stride(1) == 1
+    return use_triton(x) and few_rows(x) and weight.stride(1) == 1
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,

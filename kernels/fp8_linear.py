@@ -24,7 +24,7 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_config, matmul_outputs,
+from kernels.split_k import (add_norm_operands, few_rows, gemv_split, large_tiling, matmul_config, matmul_outputs,
                              norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
                              store_matmul_outputs, store_one_row_outputs)
 
@@ -86,10 +86,11 @@ def _fp8_matmul_kernel(
             acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc)
     scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0) * 256.0
     acc = acc * scale[None, :]
-    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
-                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
-                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                         SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
+    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
+                         in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot,
+                         cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads,
+                         num_kv_heads, HAS_BIAS, SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N,
+                         HALF)
 
 
 # e4m3 byte j of a word, moved to the top 8 bits and shifted right (arithmetically) by 4: its sign
@@ -212,7 +213,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         x2 = x2.contiguous()
     if _one_row_ok(x2, weight):
         out, _, _ = _fp8_gemv(x2, weight, weight_scale, bias, silu_mul, norm_in, None)
-    elif x2.shape[0] <= FEW_ROWS:
+    elif few_rows(x2):
         out, _, _ = _fp8_matmul(x2, weight, weight_scale, bias, silu_mul, norm_in)
     else:
         out, _, _ = _fp8_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, weight_scale, bias)
@@ -269,7 +270,7 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     loads do not align); up to FEW_ROWS rows with the epilogues, outputs as _fp8_gemv's."""
     out_features, in_features = weight.shape
     rows = x.shape[0]
-    few = rows <= FEW_ROWS
+    few = few_rows(x)
     assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
     if rows == 0:
         return x.new_empty(0, out_features), None, None
@@ -354,7 +355,7 @@ def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     """As int4_linear_add_norm, for an FP8 weight: our kernels' add-norm epilogue up to FEW_ROWS rows
     where norms fold, else fp8_linear and the norm kernel."""
     x2 = x.reshape(-1, weight.shape[1])
-    if folds_norms(x) and weight.stride(1) == 1 and 1 <= x2.shape[0] <= FEW_ROWS:
+    if folds_norms(x) and weight.stride(1) == 1 and few_rows(x2):
         kernel = _fp8_gemv if _one_row_ok(x2, weight) else _fp8_matmul
         out, h, sumsq = kernel(x2.contiguous(), weight, weight_scale, bias, False, None,
                                (residual.reshape(x2.shape[0], -1), norm_weight))
@@ -367,7 +368,7 @@ def fp8_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     """As int4_linear_rope_kv, for an FP8 weight: the rotated q [tokens, heads, head_dim] from our
     kernels' RoPE epilogue up to FEW_ROWS rows, else fp8_linear and rope_store_kv."""
     x2 = x.reshape(-1, weight.shape[1])
-    if use_triton(x) and weight.stride(1) == 1 and 1 <= x2.shape[0] <= FEW_ROWS and rope.head_dim % 2 == 0:
+    if use_triton(x) and weight.stride(1) == 1 and few_rows(x2) and rope.head_dim % 2 == 0:
         kernel = _fp8_gemv if _one_row_ok(x2, weight) else _fp8_matmul
         q, _, _ = kernel(x2.contiguous(), weight, weight_scale, bias, False, norm_in, None, rope)
         return q

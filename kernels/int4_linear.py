@@ -24,7 +24,7 @@ from kernels.dispatch import folds_norms, launch_options, programmatic_launch, u
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, gemv_split, large_tiling, matmul_config, matmul_outputs,
+from kernels.split_k import (add_norm_operands, few_rows, gemv_split, large_tiling, matmul_config, matmul_outputs,
                              norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
                              store_matmul_outputs, store_one_row_outputs)
 
@@ -202,10 +202,11 @@ def _int4_matmul_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
-    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
-                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
-                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                         SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
+    store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
+                         in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot,
+                         cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads,
+                         num_kv_heads, HAS_BIAS, SPLIT_K, FEW, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N,
+                         HALF)
 
 
 @triton.jit
@@ -277,7 +278,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
     x2 = x.reshape(-1, weight.shape[1] * 8)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= FEW_ROWS:
+    if few_rows(x2):
         out, _, _ = _rows(x2, weight, zeros, scales, group_size, bias, silu_mul, norm_in, None)
     else:
         out, _, _ = _int4_matmul(x2 if norm_in is None else norm_in.apply(x2), weight, zeros, scales, group_size,
@@ -335,7 +336,7 @@ def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, sca
     out_features, words = weight.shape
     in_features = words * 8
     rows = x.shape[0]
-    few = rows <= FEW_ROWS
+    few = few_rows(x)
     assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
     if rows == 0:
         return x.new_empty(0, out_features), None, None
@@ -388,10 +389,9 @@ def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Ten
     (in the decoder an add-norm's residual comes from the add-norm two or more kernels back).
     Elsewhere (more rows, or inside unfolded_norms()) the projection, then the norm kernel:
     (normalized, new residual, None)."""
-    rows = x.numel() // x.shape[-1]
-    if folds_norms(x) and 1 <= rows <= FEW_ROWS:
-        out, h, sumsq = _rows(x.reshape(rows, -1).contiguous(), *_checked(weight, zeros, scales, group_size),
-                              group_size, bias, False, None, (residual.reshape(rows, -1), norm_weight))
+    if folds_norms(x) and few_rows(x):
+        out, h, sumsq = _rows(x.reshape(-1, x.shape[-1]).contiguous(), *_checked(weight, zeros, scales, group_size),
+                              group_size, bias, False, None, (residual.reshape(-1, residual.shape[-1]), norm_weight))
         return out.view(residual.shape), h.view(residual.shape), NormScale(sumsq, eps)
     return (*rms_norm(int4_linear(x, weight, zeros, scales, group_size, bias), norm_weight, eps, residual), None)
 
@@ -402,9 +402,8 @@ def int4_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tens
     """A merged QKV projection of up to FEW_ROWS rows x [M, K], then RoPE and the KV write, in the
     kernels' epilogue (kernels/float_linear.py's float_linear_rope_kv): the rotated q [M, heads,
     head_dim]. Elsewhere the projection, then rope_store_kv."""
-    rows = x.numel() // x.shape[-1]
-    if use_triton(x) and 1 <= rows <= FEW_ROWS and rope.head_dim % 2 == 0:
-        q, _, _ = _rows(x.reshape(rows, -1).contiguous(), *_checked(weight, zeros, scales, group_size), group_size,
-                        bias, False, norm_in, None, rope)
+    if use_triton(x) and few_rows(x) and rope.head_dim % 2 == 0:
+        q, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), *_checked(weight, zeros, scales, group_size),
+                        group_size, bias, False, norm_in, None, rope)
         return q
     return rope_store_qkv(int4_linear(x, weight, zeros, scales, group_size, bias, norm_in=norm_in), rope)

@@ -23,6 +23,11 @@ LARGE_TILING_MIN_WEIGHTS = 8 << 20
 FEW_ROWS = 16
 
 
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether x [..., K] has 1 to FEW_ROWS rows: the rows the linear kernels' epilogues take."""
+    return x.shape[-1] > 0 and 1 <= x.numel() // x.shape[-1] <= FEW_ROWS
+
+
 @triton.jit
 def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program_id(0), GROUP_M row tiles at a time so that neighbouring programs

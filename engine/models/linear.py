@@ -13,13 +13,13 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.dispatch import folds_norms, use_triton
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, rows_of
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_store_qkv
-from kernels.split_k import FEW_ROWS
+from kernels.split_k import few_rows
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -31,18 +31,16 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 class Projection(nn.Module):
     """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
     norm_in=None), where norm_in (a NormScale) means x's rows are still to be normalized by their
-    factors, add_norm and rope_store_kv. Up to fused_rows rows (decode batches) the format's own
+    factors, add_norm and rope_store_kv. Up to FEW_ROWS rows (decode batches) the format's own
     kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
-
-    fused_rows = FEW_ROWS  # rows up to which the format's kernels have the epilogues
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
-        or, up to fused_rows rows where norms fold (kernels/dispatch.py's folds_norms), the format's
+        or, up to FEW_ROWS rows where norms fold (kernels/dispatch.py's folds_norms), the format's
         kernel with the norm in its epilogue, the rows left for the next projection to finish
         (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
-        if folds_norms(x) and 1 <= rows_of(x) <= self.fused_rows:
+        if folds_norms(x) and few_rows(x):
             return self.folded_add_norm(x, residual, norm_weight, eps)
         return (*rms_norm(self(x), norm_weight, eps, residual), None)  # self(x): forward hooks see it
 
@@ -52,9 +50,9 @@ class Projection(nn.Module):
 
     def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
-        q [tokens, heads, head_dim]; up to fused_rows rows on Triton, the format's kernel with both in
+        q [tokens, heads, head_dim]; up to FEW_ROWS rows on Triton, the format's kernel with both in
         its epilogue."""
-        if use_triton(x) and 1 <= rows_of(x) <= self.fused_rows:
+        if use_triton(x) and few_rows(x):
             return self.fused_rope_kv(x, norm_in, rope)
         return rope_store_qkv(self(x, norm_in=norm_in), rope)  # self(x): forward hooks see it
 

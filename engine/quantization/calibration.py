@@ -14,6 +14,7 @@ import torch
 from engine.models.llama import DecoderLayer, DecoderModel
 from engine.packed_prefill import pack_sequences
 from engine.tokenizer import Tokenizer
+from kernels.dispatch import reference_kernels
 from kernels.rmsnorm import rms_norm
 
 log = logging.getLogger("minillm.quantize")
@@ -54,7 +55,9 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
     attention block), and feed the next layer this layer's output from after the change
     (feed_changed) or from before it."""
     batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
-    with _flush_denormals():
+    # The torch references: no projection takes its norm or RoPE into its kernel, so the hooks below
+    # see every projection's input (the fused kernels would, up to FEW_ROWS rows on Triton).
+    with _flush_denormals(), reference_kernels():
         eps = model.cfg.rms_norm_eps
         hidden, residual = rms_norm(model.embed_tokens(batch.input_ids), model.layers[0].input_layernorm, eps)
         for i, layer in enumerate(model.layers):
@@ -76,5 +79,5 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
             if feed_changed:
                 out = layer(batch.positions, hidden, None, residual, batch.kv_cache[0], batch.meta, model.cos_sin,
                             next_norm)
-            hidden, residual, _ = out  # several rows: the norm never folds
+            hidden, residual, _ = out  # reference kernels: no norm folds
             log.info("%s layer %d/%d: %.1f s", what, i + 1, model.cfg.num_layers, time.monotonic() - start)

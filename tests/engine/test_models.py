@@ -71,7 +71,7 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
     from kernels.dispatch import unfolded_norms
-    from kernels.float_linear import FEW_ROWS
+    from kernels.split_k import FEW_ROWS
 
     path, hf = tiny_model_dir(shape)
     model = load_model(path, torch.float32, torch.device("cpu"))

@@ -10,9 +10,9 @@ import torch
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
-from kernels.float_linear import FEW_ROWS, float_linear, float_linear_add_norm, float_linear_ref, fused_rows, gemv_config
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, fused_rows, gemv_config
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
-from kernels.split_k import _TILE_COUNTS, gemv_split
+from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
 DTYPES = [torch.float32, torch.float16]
