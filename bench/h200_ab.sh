@@ -2,6 +2,7 @@
 # One device-tool call for a change under way: GPU tests, bench/profile_step.py on both trees (kernels
 # and µs a step), then bench/ab.py's interleaved partial runs. Not a record. The base tree travels as
 # an ignored folder (git archive BASE | tar -x -C .base; carry .base and .whl).
+# SKIP_AB=1 stops after the profiles.
 #   BASE_COMMIT=4f178e9 MINILLM_COMMIT=<head> TESTS="tests/gpu/..." AB_ARGS="..." bash bench/h200_ab.sh
 set -u
 : "${BASE_COMMIT:?}" "${MINILLM_COMMIT:?}"
@@ -21,6 +22,7 @@ for side in base head; do
      --steps 30 ${PROFILE_ARGS:-}) > "$OUT/profile-$side.log" 2>&1
   echo "profile $side: $(grep -E '^batch' "$OUT/profile-$side.log" | tr '\n' ' ')"
 done
+[ -n "${SKIP_AB:-}" ] && exit 0
 PYTHONPATH=/tmp/site timeout "${AB_S:-330}" python3 bench/ab.py --base .base --base-commit "$BASE_COMMIT" --head . \
   --head-commit "$MINILLM_COMMIT" --rounds "${ROUNDS:-2}" --out "$OUT/ab.json" -- ${AB_ARGS:-} > "$OUT/ab-summary.log" 2>&1
 echo "ab: rc=$? (bench/gpu.py's output: $OUT/ab.log)"
