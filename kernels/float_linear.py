@@ -125,7 +125,7 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FEW_ROWS: the few-row
+    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FUSED_ROWS: the few-row
     kernel), which have the epilogues: on Triton, a unit-stride weight."""
     return use_triton(x) and few_rows(x) and weight.stride(1) == 1
 
@@ -189,7 +189,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  norm_in: NormScale | None = None) -> torch.Tensor:
     """y = x @ W.T + bias; with silu_mul (a merged gate/up weight) SiLU(gate) * up [..., N / 2].
     norm_in: x's rows are still to be normalized (an add-norm epilogue's output), whose factors our
-    kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FEW_ROWS rows on
+    kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FUSED_ROWS rows on
     Triton (fused_rows), else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
     if fused_rows(x, weight):
         out, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, silu_mul, norm_in, None)
@@ -215,7 +215,7 @@ def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def float_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_in: NormScale | None,
                          rope: RopeKV) -> torch.Tensor:
     """A merged QKV projection, then RoPE and the KV write (kernels/rope.py's rope_store_kv): the
-    rotated q [tokens, heads, head_dim]. Up to FEW_ROWS rows on Triton, one kernel with
+    rotated q [tokens, heads, head_dim]. Up to FUSED_ROWS rows on Triton, one kernel with
     store_rope_kv as its epilogue; elsewhere the projection, then rope_store_kv."""
     if fused_rows(x, weight) and rope.head_dim % 2 == 0:
         q, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, False, norm_in, None, rope)

@@ -204,7 +204,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       bias: torch.Tensor | None = None, silu_mul: bool = False,
                       norm_in: NormScale | None = None) -> torch.Tensor:
     """Triton w8a16 version of `fp8_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16);
-    up to FEW_ROWS rows the kernels apply a norm_in's factors and SiLU·up to their outputs."""
+    up to FUSED_ROWS rows the kernels apply a norm_in's factors and SiLU·up to their outputs."""
     out_features, in_features = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
@@ -267,11 +267,11 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 add_norm: tuple[torch.Tensor, torch.Tensor] | None = None, rope: RopeKV | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] @ W.T + bias → [M, N] by the tile GEMM (any M; one row too where the GEMV's word
-    loads do not align); up to FEW_ROWS rows with the epilogues, outputs as _fp8_gemv's."""
+    loads do not align); up to FUSED_ROWS rows with the epilogues, outputs as _fp8_gemv's."""
     out_features, in_features = weight.shape
     rows = x.shape[0]
     few = few_rows(x)
-    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
+    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FUSED_ROWS rows"
     if rows == 0:
         return x.new_empty(0, out_features), None, None
     q, rope_args = rope_arguments(x, rope)
@@ -352,7 +352,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-    """As int4_linear_add_norm, for an FP8 weight: our kernels' add-norm epilogue up to FEW_ROWS rows
+    """As int4_linear_add_norm, for an FP8 weight: our kernels' add-norm epilogue up to FUSED_ROWS rows
     where norms fold, else fp8_linear and the norm kernel."""
     x2 = x.reshape(-1, weight.shape[1])
     if folds_norms(x) and weight.stride(1) == 1 and few_rows(x2):
@@ -366,7 +366,7 @@ def fp8_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
 def fp8_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                        norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
     """As int4_linear_rope_kv, for an FP8 weight: the rotated q [tokens, heads, head_dim] from our
-    kernels' RoPE epilogue up to FEW_ROWS rows, else fp8_linear and rope_store_kv."""
+    kernels' RoPE epilogue up to FUSED_ROWS rows, else fp8_linear and rope_store_kv."""
     x2 = x.reshape(-1, weight.shape[1])
     if use_triton(x) and weight.stride(1) == 1 and few_rows(x2) and rope.head_dim % 2 == 0:
         kernel = _fp8_gemv if _one_row_ok(x2, weight) else _fp8_matmul

@@ -273,7 +273,7 @@ def int4_linear_triton(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tenso
                        group_size: int, bias: torch.Tensor | None = None, silu_mul: bool = False,
                        norm_in: NormScale | None = None) -> torch.Tensor:
     """Triton version of `int4_linear_ref`, same contract (x [..., K] in fp32, fp16 or bf16); up to
-    FEW_ROWS rows a norm_in's factors scale the kernels' outputs (x itself, first, above)."""
+    FUSED_ROWS rows a norm_in's factors scale the kernels' outputs (x itself, first, above)."""
     weight, zeros, scales = _checked(weight, zeros, scales, group_size)
     x2 = x.reshape(-1, weight.shape[1] * 8)
     if x2.stride(-1) != 1:
@@ -331,13 +331,13 @@ def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, sca
                  add_norm: tuple[torch.Tensor, torch.Tensor] | None = None, rope: RopeKV | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] @ W.T + bias → [M, N] for M > 1: the tile GEMM (up to TILE_GEMM_MAX_ROWS rows) or
-    the weight dequantized once and cuBLAS (prefill); up to FEW_ROWS rows with the epilogues,
+    the weight dequantized once and cuBLAS (prefill); up to FUSED_ROWS rows with the epilogues,
     outputs as _one_row's."""
     out_features, words = weight.shape
     in_features = words * 8
     rows = x.shape[0]
     few = few_rows(x)
-    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FEW_ROWS rows"
+    assert few or not (silu_mul or norm_in or add_norm or rope), "the epilogues take up to FUSED_ROWS rows"
     if rows == 0:
         return x.new_empty(0, out_features), None, None
     if rows > TILE_GEMM_MAX_ROWS:  # prefill: the weight once in x's dtype, then the tensor cores at full K depth
@@ -381,7 +381,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scal
 def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                          group_size: int, bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
-    """y = x @ W.T + bias for up to FEW_ROWS rows x [M, K], then the residual add and RMSNorm that
+    """y = x @ W.T + bias for up to FUSED_ROWS rows x [M, K], then the residual add and RMSNorm that
     follow it, as kernels/rmsnorm.py's add_norm_ref: (y + residual) * norm_weight, the new residual
     y + residual, and the NormScale the next projection applies (int4_linear's norm_in). It is the
     kernels' epilogue: no norm kernel between two projections. Under PDL the one-row kernel reads
@@ -399,7 +399,7 @@ def int4_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Ten
 def int4_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                         group_size: int, bias: torch.Tensor | None, norm_in: NormScale | None, rope: RopeKV
                         ) -> torch.Tensor:
-    """A merged QKV projection of up to FEW_ROWS rows x [M, K], then RoPE and the KV write, in the
+    """A merged QKV projection of up to FUSED_ROWS rows x [M, K], then RoPE and the KV write, in the
     kernels' epilogue (kernels/float_linear.py's float_linear_rope_kv): the rotated q [M, heads,
     head_dim]. Elsewhere the projection, then rope_store_kv."""
     if use_triton(x) and few_rows(x) and rope.head_dim % 2 == 0:

@@ -18,14 +18,17 @@ from kernels.rope import rope_operands, rope_rows, store_rope_kv
 
 # Weights (N x K) from which the one-row kernels take their large tiling (large_tiling).
 LARGE_TILING_MIN_WEIGHTS = 8 << 20
-# Up to this many rows (decode batches, the smallest prefill chunks) the linear kernels are few-row
-# ones: all rows in one 16-row tensor-core tile, with the one-row kernels' epilogues per row.
+# The most rows the few-row kernels take: all rows in one 16-row tensor-core tile, with the one-row
+# kernels' epilogues per row.
 FEW_ROWS = 16
+# The rows the linear layers send through the epilogue kernels: the one-row GEMVs only, as the few-row
+# kernels measured slower than cuBLAS plus the separate norm and RoPE kernels (docs/performance.md).
+FUSED_ROWS = 1
 
 
 def few_rows(x: torch.Tensor) -> bool:
-    """Whether x [..., K] has 1 to FEW_ROWS rows: the rows the linear kernels' epilogues take."""
-    return x.shape[-1] > 0 and 1 <= x.numel() // x.shape[-1] <= FEW_ROWS
+    """Whether x [..., K] has 1 to FUSED_ROWS rows: the rows the linear kernels' epilogues take."""
+    return x.shape[-1] > 0 and 1 <= x.numel() // x.shape[-1] <= FUSED_ROWS
 
 
 @triton.jit

@@ -38,6 +38,15 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def few_row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Send up to FEW_ROWS rows through the few-row epilogue kernels, which the linear layers use only
+    up to split_k.FUSED_ROWS (one row), so that those kernels stay under test."""
+    from kernels import split_k
+
+    monkeypatch.setattr(split_k, "FUSED_ROWS", split_k.FEW_ROWS)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted default model: reused from $MINILLM_MODELS_DIR if set, else converted once

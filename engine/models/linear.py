@@ -31,13 +31,13 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 class Projection(nn.Module):
     """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
     norm_in=None), where norm_in (a NormScale) means x's rows are still to be normalized by their
-    factors, add_norm and rope_store_kv. Up to FEW_ROWS rows (decode batches) the format's own
+    factors, add_norm and rope_store_kv. Up to FUSED_ROWS rows (decode batches) the format's own
     kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
-        or, up to FEW_ROWS rows where norms fold (kernels/dispatch.py's folds_norms), the format's
+        or, up to FUSED_ROWS rows where norms fold (kernels/dispatch.py's folds_norms), the format's
         kernel with the norm in its epilogue, the rows left for the next projection to finish
         (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
         if folds_norms(x) and few_rows(x):
@@ -50,7 +50,7 @@ class Projection(nn.Module):
 
     def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
-        q [tokens, heads, head_dim]; up to FEW_ROWS rows on Triton, the format's kernel with both in
+        q [tokens, heads, head_dim]; up to FUSED_ROWS rows on Triton, the format's kernel with both in
         its epilogue."""
         if use_triton(x) and few_rows(x):
             return self.fused_rope_kv(x, norm_in, rope)

@@ -13,7 +13,9 @@ from tests.gpu.test_kernels_cuda import rel_err
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Rows 2 to FEW_ROWS go through the few-row kernels here, as the layers do not send them (split_k.FUSED_ROWS).
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("few_row_kernels")]
 
 # (hidden, merged QKV outputs, intermediate) of each shape.
 MODELS = {"qwen2.5-0.5b": (896, 1152, 4864), "llama-3.2-1b": (2048, 3072, 8192), "llama-3.1-8b": (4096, 6144, 14336)}

@@ -14,6 +14,9 @@ from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, split_k_for
 from tests.kernels.conftest import nan_poisoned_allocations
 
+# Rows 2 to FEW_ROWS go through the few-row kernels here, as the layers do not send them (split_k.FUSED_ROWS).
+pytestmark = pytest.mark.usefixtures("few_row_kernels")
+
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 # The one-row kernel (GEMV) sums 1 + q * 2**-4 (not q) per weight in float32: about

@@ -17,6 +17,9 @@ from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
 from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_int4_linear import int4_weight
 
+# Rows 2 to FEW_ROWS go through the few-row kernels here, as the layers do not send them (split_k.FUSED_ROWS).
+pytestmark = pytest.mark.usefixtures("few_row_kernels")
+
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 # A few-row kernel against the same projection apart: a last-bit difference at most (see below).

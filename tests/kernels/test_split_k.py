@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import REFERENCE_SM_COUNT, sm_count
-from kernels.split_k import gemv_split, large_tiling, split_k_for
+from kernels.split_k import FEW_ROWS, few_rows, gemv_split, large_tiling, split_k_for
 
 CPU = torch.device("cpu")
 
@@ -27,3 +27,10 @@ def test_k_is_split_only_where_the_output_tiles_leave_sms_idle() -> None:
     split, per_split = split_k_for(3, 1, 16, 512, CPU)
     assert split > 1 and split * per_split >= 16
     assert split_k_for(128, 4 * 132, 32, 2048, CPU) == (1, 32)
+
+
+def test_the_layers_fuse_epilogues_into_one_row_only() -> None:
+    # The few-row kernels measured slower than cuBLAS and the separate kernels at 8 and 16 rows.
+    assert few_rows(torch.empty(1, 64)) and few_rows(torch.empty(1, 1, 64))
+    assert not few_rows(torch.empty(2, 64)) and not few_rows(torch.empty(FEW_ROWS, 64))
+    assert not few_rows(torch.empty(0, 64))
