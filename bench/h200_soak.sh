@@ -9,7 +9,9 @@
 #     to end, stops the server and brings the report back. For the 10-minute run: DURATION_S=600.
 #     Make the two calls back to back from one caller, and no other call in between: one call that
 #     took the warm machine between them also ran its benchmark beside the soak's server, and the
-#     soak was lost when the machine went back. Budget about 11 device minutes.
+#     soak was lost when the machine went back. The first call does not return before its timeout (the
+#     device tool waits for the processes it started), so give it timeout_s 300; the server and the
+#     soak outlive that. Budget about 12 device minutes.
 # Logs and soak.json land in $OUT; the soak's summary prints last.
 set -u
 OUT=${OUT:-/tmp/out}
