@@ -53,6 +53,15 @@ class _EngineCollector(Collector):
         yield counter("constrained_requests", "Requests whose output a grammar constrains (structured output, tools).",
                       s.constrained_requests)
         yield counter("grammar_mask_seconds", "Host seconds spent computing grammar token masks.", s.grammar_mask_seconds)
+        if s.speculative_method is not None:  # acceptance rate: accepted / draft tokens
+            for name, doc, value in (
+                    ("spec_draft_tokens", "Speculative draft tokens verified.", s.draft_tokens),
+                    ("spec_accepted_tokens", "Draft tokens the target's samples confirmed.", s.accepted_draft_tokens),
+                    ("spec_emitted_tokens", "Tokens emitted by steps with drafts: the accepted drafts and the "
+                                            "target's sample after them.", s.speculative_tokens)):
+                c = CounterMetricFamily(f"minillm_{name}", doc, labels=["model", "method"])
+                c.add_metric([self.model, s.speculative_method], value)
+                yield c
 
 
 class Metrics:

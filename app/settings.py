@@ -27,6 +27,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
     "tensor_parallel_size": "GPUs each layer is split over, one process each (on CPU: processes, with gloo)",
+    "speculative_method": "ngram: speculative decoding with drafts looked up in each sequence's prompt and output, verified in one forward (outputs unchanged, seeded ones too); default: off",
+    "num_speculative_tokens": "most draft tokens a sequence carries in one step (with --speculative-method)",
 }
 
 

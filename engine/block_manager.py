@@ -146,15 +146,26 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its tail blocks go first so they are evicted before its head."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_ids.append(block_id)
+            self._release(block_id)
         seq.block_table = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Drop seq's blocks past its computed tokens': the ones only rejected draft tokens used (the
+        next step allocates for its next token as any step does)."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -21,6 +21,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
+from engine.speculative import METHODS, NgramProposer, accepted
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
@@ -63,6 +64,10 @@ class EngineStats:
     generation_tokens: int
     constrained_requests: int  # requests with a grammar (structured output, tools)
     grammar_mask_seconds: float  # the grammar worker's time feeding tokens and filling masks
+    speculative_method: str | None = None  # the draft source (--speculative-method), if any
+    draft_tokens: int = 0  # speculative draft tokens verified
+    accepted_draft_tokens: int = 0  # of those, the ones the target's samples confirmed
+    speculative_tokens: int = 0  # tokens emitted by steps with drafts: the accepted, and one sample after them
 
 
 class LLMEngine:
@@ -92,7 +97,8 @@ class LLMEngine:
             self.max_prompt_chars = self.max_model_len * longest
             self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-            self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens())
+            self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
+                                       _proposer(config))
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
@@ -107,6 +113,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.constrained_requests_total = 0
+        self.draft_tokens_total = 0
+        self.accepted_draft_tokens_total = 0
+        self.speculative_tokens_total = 0
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB%s); max_model_len %d",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.kv_bytes_per_block / 2**20, f" on each of {self.tp.size} ranks" if self.tp.size > 1 else "",
@@ -145,6 +154,7 @@ class LLMEngine:
             self.grammar_worker.start()
         self.generate([[self.model_config.bos_token_id or 1] * 4], SamplingParams(max_tokens=1, ignore_eos=True))
         self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.draft_tokens_total = self.accepted_draft_tokens_total = self.speculative_tokens_total = 0
         self.block_manager.prefix_queries = self.block_manager.prefix_hits = 0
         self.scheduler.num_computed_prompt_tokens = 0
 
@@ -255,8 +265,10 @@ class LLMEngine:
         """
         outputs: list[RequestOutput] = []
         prev = self._in_flight
-        if prev is not None and any(s.seq.request.params.penalized for s in prev.sampling):
-            # Penalties read the real history: let the step in flight land before the next is made.
+        if prev is not None and (self.scheduler.proposer is not None
+                                 or any(s.seq.request.params.penalized for s in prev.sampling)):
+            # Penalties read the real history, and drafts follow it and move each sequence by as many
+            # tokens as the target accepts: let the step in flight land before the next is made.
             outputs += self._collect(self._take_in_flight())
             prev = None
         out = self.scheduler.schedule()
@@ -300,19 +312,23 @@ class LLMEngine:
         prompt = None
         if targets is not None:
             ids, num_top, spans = targets
-            prompt = (self.runner.prompt_logprobs(logits[len(sampling):], ids, num_top), spans)
-            logits = logits[: len(sampling)]
+            sampled_rows = len(step.logit_rows)
+            prompt = (self.runner.prompt_logprobs(logits[sampled_rows:], ids, num_top), spans)
+            logits = logits[:sampled_rows]
             if not sampling:
                 return _InFlight([], [], SamplerOutput(logits.new_empty(0, dtype=torch.int64)), prompt=prompt)
-        rows = [self.runner.sample_row(s) for s in sampling]
+        rows = [row for s in sampling for row in self.runner.sample_rows(s)]
         # Unconstrained steps sample now; a step with a grammar row waits for its masks.
         constrained = any(s.seq.request.params.structured is not None for s in sampling)
         sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
-        for row, s in enumerate(sampling):
+        row = 0
+        for s in sampling:  # a sequence with drafts takes its tokens when they are read (_accept)
             positions.append(s.seq.num_tokens)
-            s.seq.token_ids.append(placeholder(row))
-            s.seq.num_placeholders += 1
+            if not s.drafts:
+                s.seq.token_ids.append(placeholder(row))
+                s.seq.num_placeholders += 1
+            row += 1 + len(s.drafts)
         return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt)
 
     @staticmethod
@@ -354,6 +370,7 @@ class LLMEngine:
             if grammar is None and seq.request.params.structured is not None:
                 grammar = self._grammar(seq)
             keys.append(-1 if grammar is None or grammar.ended or seq.is_finished else grammar.key)
+            keys += [-1] * len(s.drafts)  # a sequence with drafts has no grammar, and a row per draft
         return self.grammar_worker.submit(keys)
 
     def _grammar(self, seq: Sequence) -> Grammar:
@@ -379,14 +396,21 @@ class LLMEngine:
             self.grammar_worker.accept(token_ids)
         if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
             launched.masked = self._fill_masks(launched.sampling)
-        for s, position, token_id, lp in zip(in_flight.sampling, in_flight.positions, token_ids, logprobs):
+        row = 0
+        for s, position in zip(in_flight.sampling, in_flight.positions):
             seq, request = s.seq, s.seq.request
+            row += 1 + len(s.drafts)
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
             first = request.first_token_time is None
             if first:
                 request.first_token_time = time.monotonic()
-            delta = self._append(seq, position, token_id, lp)
+            if s.drafts:
+                delta = self._accept(s, token_ids[row - 1 - len(s.drafts):row], logprobs[row - 1 - len(s.drafts):row])
+            else:
+                seq.token_ids[position] = token_ids[row - 1]
+                seq.num_placeholders -= 1
+                delta = self._append(seq, position, token_ids[row - 1], logprobs[row - 1])
             ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
             if first and request.params.prompt_logprobs is not None:
                 ro.prompt_logprobs = [None, *request.prompt_logprobs]
@@ -400,11 +424,35 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
+    def _accept(self, s: ScheduledSequence, sampled: list[int], logprobs: list[TokenLogprobs | None]) -> SampleDelta:
+        """A sequence's drafts against the target's samples at their positions: the confirmed drafts
+        and the sample after them become its tokens (one delta); the KV of the rejected ones is
+        dropped, and the blocks only they used go back to the pool."""
+        seq = s.seq
+        confirmed = accepted(s.drafts, sampled)
+        self.draft_tokens_total += len(s.drafts)
+        self.accepted_draft_tokens_total += confirmed
+        old = seq.num_computed_tokens
+        deltas = []
+        for token_id, lp in zip(sampled[: confirmed + 1], logprobs):
+            seq.token_ids.append(token_id)
+            deltas.append(self._append(seq, len(seq.token_ids) - 1, token_id, lp))
+            if seq.is_finished:  # finish() already gave its blocks back
+                break
+        self.speculative_tokens_total += len(deltas)
+        if not seq.is_finished:
+            seq.num_computed_tokens = old + 1 + confirmed  # its last token and the confirmed drafts
+            self.block_manager.cache_full_blocks(seq, old)
+            self.block_manager.trim(seq)
+        return SampleDelta(
+            seq.index, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+            None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs],
+            deltas[-1].finish_reason, deltas[-1].stop_reason)
+
     def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
-        """Put a sampled token in place, find out whether the sample is done, and say what text became final."""
+        """A sampled token now in place at `position`: find out whether the sample is done, and say
+        what text became final."""
         request, params = seq.request, seq.request.params
-        seq.token_ids[position] = token_id
-        seq.num_placeholders -= 1
         self.generation_tokens_total += 1
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
@@ -462,6 +510,10 @@ class LLMEngine:
             generation_tokens=self.generation_tokens_total,
             constrained_requests=self.constrained_requests_total,
             grammar_mask_seconds=self.grammar_worker.mask_seconds if self.grammar_worker else 0.0,
+            speculative_method=self.config.speculative_method,
+            draft_tokens=self.draft_tokens_total,
+            accepted_draft_tokens=self.accepted_draft_tokens_total,
+            speculative_tokens=self.speculative_tokens_total,
         )
 
     # ---- offline use (CLI, tests, benchmarks) ---------------------------------------------------
@@ -475,6 +527,18 @@ class LLMEngine:
             for ro in self.step():
                 results[ro.request_id].extend(ro)
         return [results[rid] for rid in ids]
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    """The draft source that --speculative-method names, or None (no speculation)."""
+    if config.speculative_method is None:
+        return None
+    if config.speculative_method not in METHODS:
+        raise InvalidRequestError(f"--speculative-method must be one of {', '.join(METHODS)}, not "
+                                  f"{config.speculative_method!r}.", param="speculative_method")
+    if config.num_speculative_tokens < 1:
+        raise InvalidRequestError("--num-speculative-tokens must be at least 1.", param="num_speculative_tokens")
+    return NgramProposer(config.num_speculative_tokens)
 
 
 def _text_chars(prompt: Prompt) -> int:

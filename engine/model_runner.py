@@ -195,18 +195,22 @@ class ModelRunner:
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
                 end = start + s.num_new_tokens
-                input_ids += seq.token_ids[start:end]
+                input_ids += seq.token_ids[start:end] + s.drafts  # drafts: after the sequence's last token
                 positions += range(start, end)
                 slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             last_row[seq.seq_id] = len(input_ids) - 1
         sampling = [s for s in out.scheduled if s.samples]
+        logit_rows: list[int] = []
+        for s in sampling:  # a sequence with k drafts samples its last k + 1 rows
+            last = last_row[(s.sample_from or s.seq).seq_id]
+            logit_rows += range(last - len(s.drafts), last + 1) if s.drafts else (last,)
         return StepInputs(
             input_ids=input_ids, positions=positions, slots=slots,
             query_lens=[s.num_new_tokens for s in computing],
             seq_lens=[s.seq.num_computed_tokens + s.num_new_tokens for s in computing],
             block_tables=[s.seq.block_table for s in computing],
             block_copies=out.block_copies,
-            logit_rows=[last_row[(s.sample_from or s.seq).seq_id] for s in sampling],
+            logit_rows=logit_rows,
             graph_batch=self._graph_for(computing, sampling, prev_rows),
             has_prev=prev_rows is not None,
         )
@@ -240,14 +244,15 @@ class ModelRunner:
         return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
 
     @staticmethod
-    def sample_row(s: ScheduledSequence) -> SampleRow:
-        """What sampling needs of a sequence, taken before its placeholder for this step is added."""
+    def sample_rows(s: ScheduledSequence) -> list[SampleRow]:
+        """What sampling needs of a sequence, taken before its placeholder for this step is added:
+        one row, or one per position its drafts reach, each keyed by the index it samples."""
         seq = s.seq
-        return SampleRow(
+        return [SampleRow(
             params=seq.request.params,
             seed=seq.seed,
-            counter=seq.num_tokens,
+            counter=seq.num_tokens + i,
             prompt_token_ids=seq.request.prompt_token_ids,
             # A copy of the history only where penalties read it (such steps wait for real ids).
             output_token_ids=seq.output_token_ids if seq.request.params.penalized else (),
-        )
+        ) for i in range(len(s.drafts) + 1)]

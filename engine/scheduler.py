@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import Proposer
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ScheduledSequence:
     num_new_tokens: int  # tokens to compute this step (0 for a fork that samples from its parent)
     sample_from: Sequence | None = None  # forks sample from their parent's logits in the step they are made
     samples: bool = False  # this step reaches the end of seq's tokens, so a token is sampled
+    drafts: list[int] = field(default_factory=list)  # draft tokens computed after seq's last, each sampled too
 
 
 @dataclass
@@ -41,8 +43,10 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 proposer: Proposer | None = None) -> None:
         self.block_manager = block_manager
+        self.proposer = proposer  # decodes carry its draft tokens when it has some
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -64,9 +68,13 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             remaining = seq.num_tokens - seq.num_computed_tokens
+            drafts: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
                 num_new = min(1, budget)
+                if num_new:
+                    drafts = self._drafts(seq, budget - decodes_left - 1)
+                    num_new += len(drafts)
             else:  # a prefill chunk leaves room for the decodes behind it
                 num_new = self._chunk(remaining, budget - decodes_left)
                 chunking = chunking or num_new < remaining
@@ -80,7 +88,7 @@ class Scheduler:
                     break
             if seq.status == SequenceStatus.RUNNING:
                 budget -= num_new
-                self._schedule(out, seq, num_new)
+                self._schedule(out, seq, num_new, drafts)
         # Admit waiting sequences in arrival order, unless memory was just short. While a prompt is
         # chunked, longer ones than the step holds wait (passed) and shorter ones behind them go.
         # Counted only when something waits: a steady decode step skips the loop over the batch.
@@ -123,14 +131,26 @@ class Scheduler:
         half = budget // 2
         return budget - half if any(s.num_tokens <= half for s in self.waiting) else budget
 
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """The proposer's draft tokens for a decoding seq: up to `room`, and never past its
+        max_tokens. None while its last token is still being sampled (the draft follows real ids),
+        for a prompt's last token (its forks take its blocks this step), nor where sampling reads
+        the history (penalties) or a grammar must vet every token."""
+        params = seq.request.params
+        if (self.proposer is None or room <= 0 or seq.num_placeholders or seq.num_tokens == seq.num_prompt_tokens
+                or params.penalized or params.structured is not None):
+            return []
+        generated = seq.num_tokens - seq.num_prompt_tokens
+        return self.proposer.propose(seq, min(room, seq.request.max_tokens - generated - 1))
+
     @property
     def num_waiting(self) -> int:
         """Sequences not running yet: those queued, and the samples a queued request will fork."""
         return len(self.waiting) + sum(s.request.num_pending_forks for s in self.waiting if s.index == 0)
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSequence(seq, num_new, samples=samples))
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
+        samples = seq.num_computed_tokens + num_new - len(drafts or ()) == seq.num_tokens
+        out.scheduled.append(ScheduledSequence(seq, num_new, samples=samples, drafts=drafts or []))
         request = seq.request
         if samples and seq.index == 0 and request.num_pending_forks:
             # The prompt is complete this step: the other samples share its blocks from now on.
@@ -153,9 +173,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_computed(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens' KV is in the cache."""
+        """After the forward: the scheduled tokens' KV is in the cache (a step with drafts counts
+        what the target accepts, once its samples are read: LLMEngine._accept)."""
         for s in out.scheduled:
-            if s.num_new_tokens and not s.seq.is_finished:
+            if s.num_new_tokens and not s.seq.is_finished and not s.drafts:
                 old = s.seq.num_computed_tokens
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.num_computed_prompt_tokens += max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - old)

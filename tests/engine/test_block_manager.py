@@ -342,21 +342,35 @@ class SimulatedKV(Engine):
         super().__init__(num_blocks, *args, block_manager_type=CheckedBlockManager, **kwargs)
         self.kv: dict[int, list[Slot | None]] = {i: [None] * BS for i in range(num_blocks)}
 
-    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int]]) -> None:
+    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int, list[int]]]) -> None:
         blocks = self.block_manager.blocks
         for src, dst in out.block_copies:
             assert blocks[dst].hash is None and blocks[dst].ref_count <= 1
             self.kv[dst] = list(self.kv[src])
-        for seq, pos, block_id in writes:
+        for seq, pos, block_id, drafts in writes:
+            history = tuple((seq.token_ids + drafts)[: pos + 1])
             # Writing into a block that the cache serves, or that a sequence with other tokens reads,
             # corrupts it. Samples forked in this step share the block with the same tokens; a
             # sequence that finished while its last step was in flight writes into a block now free.
             assert blocks[block_id].hash is None, f"write into cached block {block_id}"
             readers = [s for s in self.scheduler.running if block_id in s.block_table]
-            assert all(s.token_ids[: pos + 1] == seq.token_ids[: pos + 1] for s in readers), (
+            assert all(tuple(s.token_ids[: pos + 1]) == history for s in readers if s is not seq), (
                 f"write into shared block {block_id}")
             assert seq in readers or (seq.is_finished and not readers)
-            self.kv[block_id][pos % BS] = tuple(seq.token_ids[: pos + 1])
+            self.kv[block_id][pos % BS] = history
+
+
+class GuessingProposer:
+    """Drafts the simulated model's own next tokens (Engine.sample), each wrong where its seed and
+    position say so: some steps accept every draft, others reject from any point."""
+
+    def __init__(self, engine: Engine, num_tokens: int) -> None:
+        self.engine, self.num_tokens = engine, num_tokens
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        start = seq.num_tokens
+        return [(self.engine.sample(seq, p) + ((seq.seed + p) % 3 == 0)) % self.engine.vocab
+                for p in range(start, start + min(self.num_tokens, limit))]
 
 
 PROMPT_BASES = ([0, 1, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0], [2] * 12)
@@ -384,11 +398,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(7, 10), max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(1, 24), prefix_caching=st.sampled_from([True, True, False]),
-                overlap=st.booleans())
+                overlap=st.booleans(), drafts=st.sampled_from([0, 0, 1, 3]))
     def setup(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-              overlap: bool) -> None:
+              overlap: bool, drafts: int) -> None:
         self.engine = SimulatedKV(num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching=prefix_caching,
                                   overlap=overlap, vocab=3)
+        if drafts:  # speculation: decodes carry drafts, and the rejected ones' KV slots are rolled back
+            self.engine.scheduler.proposer = GuessingProposer(self.engine, drafts)
+            self.engine.overlap = False
 
     @property
     def scheduler(self) -> Scheduler:
@@ -445,8 +462,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             if s.num_new_tokens:
                 assert s.seq.status == SequenceStatus.RUNNING
-                assert s.seq.num_computed_tokens + s.num_new_tokens <= s.seq.num_tokens
-                assert s.samples == (s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens)
+                num_new = s.num_new_tokens - len(s.drafts)  # drafts ride on a decode's one token
+                assert num_new == 1 or not s.drafts
+                assert s.seq.num_computed_tokens + num_new <= s.seq.num_tokens
+                assert s.samples == (s.seq.num_computed_tokens + num_new == s.seq.num_tokens)
                 assert s.seq in running or s.seq in waiting
             else:
                 assert s.seq in forks and s.samples and s.sample_from.request is s.seq.request
@@ -467,7 +486,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Decodes are served before prefill chunks: all of them, while the budget holds them.
         if len(decodes) <= budget:
             scheduled = {s.seq: s.num_new_tokens for s in out.scheduled}
-            assert all(scheduled.get(s) == 1 for s in decodes if s.status == SequenceStatus.RUNNING)
+            drafts = {s.seq: len(s.drafts) for s in out.scheduled}
+            assert all(scheduled.get(s) == 1 + drafts.get(s, 0) for s in decodes if s.status == SequenceStatus.RUNNING)
 
         computed = {s.seq: s.seq.num_computed_tokens for s in out.scheduled}
         self.engine.run(out)

@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, derive_seed
 from engine.sequence import Request, Sequence, SequenceStatus, placeholder
+from engine.speculative import Proposer, accepted
 
 BS = 4  # block size everywhere in this file
 
@@ -23,19 +24,21 @@ class Engine:
 
     With overlap (the engine's default), a step's tokens are read in the next step, after that step
     was scheduled: a sequence that finished is decoded once more, and its surplus token dropped.
-    Without it, tokens land before the next step is scheduled, as for penalized requests."""
+    Without it, tokens land before the next step is scheduled, as for penalized requests and under
+    speculation (a `proposer`), where each draft's position is sampled and checked (_accept)."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, *,
                  prefix_caching: bool = True, overlap: bool = False, vocab: int = 1000,
-                 block_manager_type: type[BlockManager] = BlockManager) -> None:
+                 block_manager_type: type[BlockManager] = BlockManager, proposer: Proposer | None = None) -> None:
         self.block_manager = block_manager_type(num_blocks, BS, prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.overlap = overlap
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, proposer)
+        self.overlap = overlap and proposer is None
         self.vocab = vocab
         self.requests: dict[str, Request] = {}
         self.finished: list[str] = []  # request ids, in the order they finished
         self._ids = itertools.count()
-        self.in_flight: list[tuple[Sequence, int]] | None = None  # sampling sequences, their placeholders' positions
+        # Sampling sequences, their placeholders' positions (or where their drafts start), their drafts.
+        self.in_flight: list[tuple[Sequence, int, list[int]]] | None = None
 
     def add(self, prompt: Iterable[int], max_tokens: int = 1, n: int = 1, seed: int = 0,
             request_id: str | None = None, eos: Iterable[int] = ()) -> Request:
@@ -60,14 +63,16 @@ class Engine:
 
     def run(self, out: SchedulerOutput) -> None:
         """Everything LLMEngine.step does after schedule(), in its order."""
-        # What the runner writes, named when the step is launched (block tables may be freed before it lands).
-        writes = [(s.seq, pos, s.seq.block_table[pos // BS]) for s in out.scheduled
+        # What the runner writes, named when the step is launched (block tables may be freed before it
+        # lands): (sequence, position, block, the drafts that follow the sequence's tokens).
+        writes = [(s.seq, pos, s.seq.block_table[pos // BS], s.drafts) for s in out.scheduled
                   for pos in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)]
         launched = []
         for row, s in enumerate(s for s in out.scheduled if s.samples):
-            launched.append((s.seq, s.seq.num_tokens))
-            s.seq.token_ids.append(placeholder(row))
-            s.seq.num_placeholders += 1
+            launched.append((s.seq, s.seq.num_tokens, s.drafts))
+            if not s.drafts:
+                s.seq.token_ids.append(placeholder(row))
+                s.seq.num_placeholders += 1
         if self.in_flight is not None:
             self._collect(self.in_flight)
             self.in_flight = None
@@ -78,28 +83,46 @@ class Engine:
         else:
             self._collect(launched)
 
-    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int]]) -> None:
-        """The step's KV writes, (sequence, position, block), after out.block_copies; its inputs are all
-        real ids by now. Nothing to do without a model."""
+    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int, list[int]]]) -> None:
+        """The step's KV writes, (sequence, position, block, drafts), after out.block_copies; its
+        inputs are all real ids by now. Nothing to do without a model."""
 
     def sample(self, seq: Sequence, position: int) -> int:
         return (seq.seed + 7 * position) % self.vocab
 
-    def _collect(self, launched: list[tuple[Sequence, int]]) -> None:
-        for seq, position in launched:
+    def _collect(self, launched: list[tuple[Sequence, int, list[int]]]) -> None:
+        for seq, position, drafts in launched:
             if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
-            token_id = self.sample(seq, position)
-            seq.token_ids[position] = token_id
-            seq.num_placeholders -= 1
-            request = seq.request
-            if token_id in request.eos_token_ids:
-                self.scheduler.finish(seq, "stop")
-            elif position + 1 - request.num_prompt_tokens >= request.max_tokens:
-                self.scheduler.finish(seq, "length")
-            if request.is_finished and request.request_id in self.requests:
-                del self.requests[request.request_id]
-                self.finished.append(request.request_id)
+            if drafts:
+                self._accept(seq, position, drafts)
+            else:
+                seq.token_ids[position] = self.sample(seq, position)
+                seq.num_placeholders -= 1
+                self._append(seq, position)
+
+    def _accept(self, seq: Sequence, position: int, drafts: list[int]) -> None:
+        sampled = [self.sample(seq, position + i) for i in range(len(drafts) + 1)]
+        confirmed = accepted(drafts, sampled)
+        old = seq.num_computed_tokens
+        for token_id in sampled[: confirmed + 1]:
+            seq.token_ids.append(token_id)
+            self._append(seq, len(seq.token_ids) - 1)
+            if seq.is_finished:
+                return
+        seq.num_computed_tokens = old + 1 + confirmed
+        self.block_manager.cache_full_blocks(seq, old)
+        self.block_manager.trim(seq)
+
+    def _append(self, seq: Sequence, position: int) -> None:
+        request, token_id = seq.request, seq.token_ids[position]
+        if token_id in request.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif position + 1 - request.num_prompt_tokens >= request.max_tokens:
+            self.scheduler.finish(seq, "length")
+        if request.is_finished and request.request_id in self.requests:
+            del self.requests[request.request_id]
+            self.finished.append(request.request_id)
 
     def run_all(self, max_steps: int = 1000) -> list[SchedulerOutput]:
         """Step until every request has finished; the steps' outputs."""

@@ -69,7 +69,8 @@ QUERIES = queries(load())
 def scraped(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """{sample name: its family's type} for this model's samples in a real /metrics, after requests
     that give every histogram a series (a stream for inter-token latency) and a non-2xx status."""
-    server = start_server(default_model_dir, tmp_path_factory.mktemp("grafana") / "server.log")
+    server = start_server(default_model_dir, tmp_path_factory.mktemp("grafana") / "server.log",
+                          "--speculative-method", "ngram")  # so that its counters are served too
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}

@@ -1,0 +1,65 @@
+"""Draft tokens for speculative decoding, and their verification against the target's own samples.
+
+A decode step may carry k draft tokens per sequence: the target computes its last token and the k
+drafts in one forward and samples every one of the k + 1 positions, each with the noise of its own
+(seed, position), exactly as it would one step at a time. A draft is accepted while it equals the
+token the target sampled at its position; the first sample that differs replaces it, and if every
+draft is accepted the last sample comes as a bonus. So greedy and seeded outputs are the same
+token for token with and without speculation, and a deterministic draft is accepted with the
+target's probability of that token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Tokens
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+METHODS = ("ngram",)
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to `limit` draft tokens to follow seq's tokens (all real ids), or none."""
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
+    n tokens (n from max_n down to min_n), in its prompt and output."""
+
+    def __init__(self, num_tokens: int, max_n: int = 4, min_n: int = 2, window: int = 4096) -> None:
+        self.num_tokens = num_tokens
+        self.max_n = max_n
+        self.min_n = min_n
+        self.window = window  # the tokens searched, newest first: bounds the host's time per step
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to min(num_tokens, limit) draft tokens to follow seq's tokens, or none."""
+        return self.lookup(seq.token_ids, min(self.num_tokens, limit))
+
+    def lookup(self, token_ids: Tokens[int], k: int) -> list[int]:
+        """The k tokens (or fewer) after the latest earlier occurrence of token_ids' last n."""
+        length = len(token_ids)
+        if k <= 0 or length <= self.min_n:
+            return []
+        start = max(0, length - self.window)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            tail = list(token_ids[length - n:])
+            first = tail[0]
+            # The latest match that ends before the tail itself; scanned from the newest position.
+            for i in range(length - n - 1, start - 1, -1):
+                if token_ids[i] == first and list(token_ids[i:i + n]) == tail:
+                    return list(token_ids[i + n:i + n + k])
+        return []
+
+
+def accepted(drafts: Tokens[int], sampled: Tokens[int]) -> int:
+    """How many drafts the target's samples confirm (sampled[i] is the target's token at the
+    position drafts[i] took; len(sampled) == len(drafts) + 1)."""
+    count = 0
+    for draft, token in zip(drafts, sampled):
+        if draft != token:
+            break
+        count += 1
+    return count

@@ -1,0 +1,126 @@
+"""Speculative decoding: the n-gram proposer, draft verification, and the engine's outputs with
+speculation equal to those without it (greedy and seeded) on the embedded model, with no KV block
+leaked. The scheduler's and block manager's side, rollbacks included: tests/engine/test_block_manager.py."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import Completion, LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.speculative import NgramProposer, accepted
+from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
+
+# Text that repeats itself, so the prompt and the output hold what the next tokens will be.
+CODE = ("Return this function unchanged except that it must multiply instead of add:\n\n"
+        "def combine(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+        "    return total\n")
+LIST = "Repeat this list twice: apples, pears, plums, cherries, apricots, peaches, figs."
+
+
+def test_lookup_takes_what_followed_the_latest_match_of_the_longest_tail() -> None:
+    proposer = NgramProposer(num_tokens=3, max_n=3, min_n=2)
+    assert proposer.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    # The latest earlier occurrence wins, and a 3-gram before a 2-gram.
+    assert proposer.lookup([5, 2, 3, 7, 1, 2, 3, 8, 0, 2, 3], 2) == [8, 0]
+    assert proposer.lookup([1, 2, 3, 6, 7, 0, 2, 3], 3) == [6, 7, 0]
+    assert proposer.lookup([4, 5, 6, 7], 3) == []  # no earlier occurrence
+    assert proposer.lookup([1, 2, 1, 2], 0) == []
+    assert proposer.lookup([1, 2, 5, 1, 2], 3) == [5, 1, 2]  # stops at the end of what is known
+
+
+def test_a_window_bounds_the_search() -> None:
+    far = [1, 2, 3] + [9] * 20 + [1, 2]
+    assert NgramProposer(2, window=30).lookup(far, 2) == [3, 9]
+    assert NgramProposer(2, window=10).lookup(far, 2) == []
+
+
+def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() -> None:
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted([4, 5, 6], [4, 0, 6, 7]) == 1
+    assert accepted([4], [3, 4]) == 0
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
+    """The embedded model without and with n-gram speculation."""
+    return make_engine(default_model_dir), make_engine(default_model_dir, speculative_method="ngram",
+                                                       num_speculative_tokens=4)
+
+
+def assert_same(a: Completion, b: Completion) -> None:
+    assert a.samples.keys() == b.samples.keys()
+    for index, sample in a.samples.items():
+        other = b.samples[index]
+        assert (other.token_ids, other.text, other.finish_reason) == (sample.token_ids, sample.text,
+                                                                       sample.finish_reason)
+        assert [lp.token_id for lp in other.logprobs] == [lp.token_id for lp in sample.logprobs]
+        for lp, olp in zip(sample.logprobs, other.logprobs):
+            assert olp.logprob == pytest.approx(lp.logprob, abs=1e-3)
+            assert [t for t, _ in olp.top] == [t for t, _ in lp.top]
+
+
+def chats(*texts: str) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def test_greedy_and_seeded_outputs_are_those_without_speculation(engines) -> None:
+    base, spec = engines
+    prompts = chats(CODE, LIST, CODE, LIST)
+    params = [
+        SamplingParams(temperature=0, max_tokens=48),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, logprobs=2),
+        # Each draft's position keys its own noise: with any other, most of these samples differ.
+        SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=4),
+        SamplingParams(temperature=0, max_tokens=64, stop=["figs"]),
+    ]
+    before = spec.stats()
+    expected, got = base.generate(prompts, params), spec.generate(prompts, params)
+    for a, b in zip(expected, got):
+        assert_same(a, b)
+    after = spec.stats()
+    assert after.draft_tokens > before.draft_tokens
+    assert after.accepted_draft_tokens > before.accepted_draft_tokens  # speculation really ran, and paid
+    assert got[3].samples[0].finish_reason == "stop"  # the stop string ended a step of drafts
+    assert spec.block_manager.num_used_blocks == 0
+
+
+def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
+    base, _ = engines
+    tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram")
+    prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    expected = base.generate(prompts, greedy)
+    for a, b in zip(expected, tight.generate(prompts, greedy)):
+        assert_same(a, b)
+    assert tight.stats().preemptions > 0 and tight.stats().accepted_draft_tokens > 0
+    [again] = tight.generate(prompts[:1], greedy)  # served from the prefix cache this time
+    assert again.usage.cached_tokens > 0
+    assert_same(expected[0], again)
+    assert tight.block_manager.num_used_blocks == 0
+
+
+def test_aborts_leak_no_block(engines) -> None:
+    _, spec = engines
+    requests = [spec.add_request(p, SamplingParams(temperature=0, max_tokens=64)) for p in chats(LIST, CODE)]
+    for _ in range(40):  # until a step with drafts is in flight, its blocks allocated for them
+        spec.step()
+        if spec._in_flight is not None and any(s.drafts for s in spec._in_flight.sampling):
+            break
+    else:
+        pytest.fail("no step carried drafts")
+    for request in requests:
+        spec.abort(request.request_id)
+    while spec.has_unfinished():
+        spec.step()
+    spec.step()  # the step in flight lands
+    assert spec.block_manager.num_used_blocks == 0 and not spec.scheduler.running
+
+
+def test_flags_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="speculative-method"):
+        LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", speculative_method="eagle"))
+    with pytest.raises(InvalidRequestError, match="num-speculative-tokens"):
+        LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", speculative_method="ngram",
+                               num_speculative_tokens=0))
