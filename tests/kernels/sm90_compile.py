@@ -59,6 +59,8 @@ def main() -> int:
     from engine.packed_prefill import prompt_logits
     from kernels.decode_attention import decode_attention_triton
 
+    split_k.FUSED_ROWS = split_k.FEW_ROWS  # the few-row kernels too, which the layers leave to cuBLAS for now
+
     JITFunction.run = compile_instead
     os.environ["TRITON_INTERPRET"] = "1"  # use_triton() sends CPU tensors to the (compiled-instead) kernels
 
