@@ -265,8 +265,8 @@ class LLMEngine:
         """
         outputs: list[RequestOutput] = []
         prev = self._in_flight
-        if prev is not None and (self.scheduler.proposer is not None
-                                 or any(s.seq.request.params.penalized for s in prev.sampling)):
+        if prev is not None and (self.scheduler.drafting() or any(s.drafts or s.seq.request.params.penalized
+                                                                  for s in prev.sampling)):
             # Penalties read the real history, and drafts follow it and move each sequence by as many
             # tokens as the target accepts: let the step in flight land before the next is made.
             outputs += self._collect(self._take_in_flight())
@@ -432,6 +432,7 @@ class LLMEngine:
         confirmed = accepted(s.drafts, sampled)
         self.draft_tokens_total += len(s.drafts)
         self.accepted_draft_tokens_total += confirmed
+        seq.drafting.record(len(s.drafts), confirmed, self.scheduler.proposer.num_tokens)
         old = seq.num_computed_tokens
         deltas = []
         for token_id, lp in zip(sampled[: confirmed + 1], logprobs):

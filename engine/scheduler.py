@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import Proposer
+from engine.speculative import MAX_BATCH, DraftState, Proposer
 
 
 @dataclass
@@ -131,17 +131,34 @@ class Scheduler:
         half = budget // 2
         return budget - half if any(s.num_tokens <= half for s in self.waiting) else budget
 
+    def drafting(self) -> bool:
+        """Whether the next schedule may give a decode drafts: then the engine reads the step in
+        flight first, as drafts follow real ids. Not past MAX_BATCH running sequences, nor while
+        every one waits out its misses (speculative.DraftState)."""
+        return (self.proposer is not None and len(self.running) <= MAX_BATCH
+                and any(s.drafting is None or not s.drafting.skip for s in self.running))
+
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The proposer's draft tokens for a decoding seq: up to `room`, and never past its
-        max_tokens. None while its last token is still being sampled (the draft follows real ids),
-        for a prompt's last token (its forks take its blocks this step), nor where sampling reads
-        the history (penalties) or a grammar must vet every token."""
+        """The proposer's draft tokens for a decoding seq: up to `room` and its DraftState's length,
+        and never past its max_tokens. None while its last token is still being sampled (the draft
+        follows real ids), for a prompt's last token (its forks take its blocks this step), where
+        sampling reads the history (penalties) or a grammar must vet every token, or above
+        MAX_BATCH running sequences."""
         params = seq.request.params
-        if (self.proposer is None or room <= 0 or seq.num_placeholders or seq.num_tokens == seq.num_prompt_tokens
-                or params.penalized or params.structured is not None):
+        if (self.proposer is None or room <= 0 or seq.num_tokens == seq.num_prompt_tokens or params.penalized
+                or params.structured is not None or len(self.running) > MAX_BATCH):
+            return []
+        state = seq.drafting = seq.drafting or DraftState(self.proposer.num_tokens)
+        if state.skip:
+            state.skip -= 1
+            return []
+        if seq.num_placeholders:
             return []
         generated = seq.num_tokens - seq.num_prompt_tokens
-        return self.proposer.propose(seq, min(room, seq.request.max_tokens - generated - 1))
+        drafts = self.proposer.propose(seq, min(room, state.length, seq.request.max_tokens - generated - 1))
+        if not drafts and generated + 1 < seq.request.max_tokens:
+            state.record(0, 0, self.proposer.num_tokens)  # a miss: its text does not repeat here
+        return drafts
 
     @property
     def num_waiting(self) -> int:

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.grammar_worker import Grammar
     from engine.sampler import TokenLogprobs
+    from engine.speculative import DraftState
     from engine.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -46,6 +47,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_placeholders: int = 0  # trailing token ids still being sampled on the device
     grammar: "Grammar | None" = None  # where this sample is in its request's grammar, if it has one
+    drafting: "DraftState | None" = None  # under speculation: how it drafts next
 
     @property
     def num_real_tokens(self) -> int:

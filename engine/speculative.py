@@ -11,15 +11,43 @@ target's probability of that token.
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 METHODS = ("ngram",)
+# Above this many running sequences no step carries drafts: verifying k + 1 tokens a sequence stops
+# riding free on the weights' reads, and the engine gets its overlapped scheduling back.
+MAX_BATCH = 16
+MAX_SKIP = 32  # the most decodes a sequence waits after misses before it drafts again
+
+
+@dataclass
+class DraftState:
+    """A sequence's recent luck with drafts. After a step with drafts the next proposes one more if
+    all were accepted, else one more than were. A miss (nothing to propose, or nothing accepted)
+    makes the sequence skip its next 2, 4, ... MAX_SKIP decodes: those run overlapped, so text that
+    does not repeat itself soon costs nothing."""
+
+    length: int  # drafts to propose next
+    skip: int = 0  # decodes to go before the next proposal
+    misses: int = 0  # misses in a row
+
+    def record(self, drafted: int, confirmed: int, most: int) -> None:
+        """After a proposal (drafted 0: none found) and the target's verdict."""
+        if confirmed == 0:
+            self.misses += 1
+            self.skip = min(2 ** self.misses, MAX_SKIP)
+        else:
+            self.misses = 0
+        self.length = max(1, min(most, confirmed + 1 if confirmed < drafted else drafted + 1))
 
 
 class Proposer(Protocol):
+    num_tokens: int  # the most drafts it proposes for a sequence in one step
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow seq's tokens (all real ids), or none."""
 

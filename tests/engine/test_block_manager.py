@@ -362,13 +362,16 @@ class SimulatedKV(Engine):
 
 class GuessingProposer:
     """Drafts the simulated model's own next tokens (Engine.sample), each wrong where its seed and
-    position say so: some steps accept every draft, others reject from any point."""
+    position say so: some steps accept every draft, others reject from any point, and some
+    positions have nothing to propose."""
 
     def __init__(self, engine: Engine, num_tokens: int) -> None:
         self.engine, self.num_tokens = engine, num_tokens
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         start = seq.num_tokens
+        if (seq.seed + start) % 5 == 0:
+            return []
         return [(self.engine.sample(seq, p) + ((seq.seed + p) % 3 == 0)) % self.engine.vocab
                 for p in range(start, start + min(self.num_tokens, limit))]
 
@@ -405,7 +408,6 @@ class SchedulerMachine(RuleBasedStateMachine):
                                   overlap=overlap, vocab=3)
         if drafts:  # speculation: decodes carry drafts, and the rejected ones' KV slots are rolled back
             self.engine.scheduler.proposer = GuessingProposer(self.engine, drafts)
-            self.engine.overlap = False
 
     @property
     def scheduler(self) -> Scheduler:

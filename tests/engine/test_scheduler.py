@@ -24,15 +24,16 @@ class Engine:
 
     With overlap (the engine's default), a step's tokens are read in the next step, after that step
     was scheduled: a sequence that finished is decoded once more, and its surplus token dropped.
-    Without it, tokens land before the next step is scheduled, as for penalized requests and under
-    speculation (a `proposer`), where each draft's position is sampled and checked (_accept)."""
+    Without it, tokens land before the next step is scheduled, as for penalized requests. Under
+    speculation (a `proposer`) they do whenever a step in flight carries drafts or the next may,
+    and each draft's position is sampled and checked (_accept)."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, *,
                  prefix_caching: bool = True, overlap: bool = False, vocab: int = 1000,
                  block_manager_type: type[BlockManager] = BlockManager, proposer: Proposer | None = None) -> None:
         self.block_manager = block_manager_type(num_blocks, BS, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, proposer)
-        self.overlap = overlap and proposer is None
+        self.overlap = overlap
         self.vocab = vocab
         self.requests: dict[str, Request] = {}
         self.finished: list[str] = []  # request ids, in the order they finished
@@ -57,6 +58,9 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
 
     def step(self) -> SchedulerOutput:
+        if self.in_flight is not None and (self.scheduler.drafting() or any(d for _, _, d in self.in_flight)):
+            self._collect(self.in_flight)  # drafts follow real ids, and move a sequence by what is accepted
+            self.in_flight = None
         out = self.scheduler.schedule()
         self.run(out)
         return out
@@ -104,6 +108,7 @@ class Engine:
     def _accept(self, seq: Sequence, position: int, drafts: list[int]) -> None:
         sampled = [self.sample(seq, position + i) for i in range(len(drafts) + 1)]
         confirmed = accepted(drafts, sampled)
+        seq.drafting.record(len(drafts), confirmed, self.scheduler.proposer.num_tokens)
         old = seq.num_computed_tokens
         for token_id in sampled[: confirmed + 1]:
             seq.token_ids.append(token_id)

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.speculative import NgramProposer, accepted
+from engine.speculative import MAX_SKIP, DraftState, NgramProposer, accepted
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -40,6 +40,21 @@ def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() ->
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
     assert accepted([4, 5, 6], [4, 0, 6, 7]) == 1
     assert accepted([4], [3, 4]) == 0
+
+
+def test_draft_length_follows_acceptance_and_misses_back_off() -> None:
+    state = DraftState(length=4)
+    state.record(drafted=4, confirmed=4, most=6)
+    assert (state.length, state.skip) == (5, 0)  # all accepted: one more
+    state.record(drafted=5, confirmed=2, most=6)
+    assert (state.length, state.skip) == (3, 0)  # one more than were accepted
+    skips = []
+    for _ in range(7):  # misses in a row wait twice as long each time, up to MAX_SKIP decodes
+        state.record(drafted=3, confirmed=0, most=6)
+        skips.append(state.skip)
+    assert skips == [2, 4, 8, 16, 32, 32, 32] and MAX_SKIP == 32 and state.length == 1
+    state.record(drafted=1, confirmed=1, most=6)
+    assert (state.misses, state.length) == (0, 2)
 
 
 @pytest.fixture(scope="module")
