@@ -29,6 +29,7 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "GPUs each layer is split over, one process each (on CPU: processes, with gloo)",
     "speculative_method": "ngram: speculative decoding with drafts looked up in each sequence's prompt and output, verified in one forward (outputs unchanged, seeded ones too); default: off",
     "num_speculative_tokens": "most draft tokens a sequence carries in one step (with --speculative-method)",
+    "speculative_max_batch": "running sequences up to which steps carry drafts (default: 16 on a GPU, 1 on CPU, where verifying drafts beside a batch costs more than it saves)",
 }
 
 

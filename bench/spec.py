@@ -102,7 +102,7 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
@@ -121,7 +121,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(doc))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -47,6 +47,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices (processes) each layer is split over: GPUs, or CPU ranks with gloo
     speculative_method: str | None = None  # "ngram": decode steps carry draft tokens (engine/speculative.py)
     num_speculative_tokens: int = 4  # most draft tokens a sequence carries in one step
+    speculative_max_batch: int | None = None  # running sequences up to which steps draft; None: by device
 
     def torch_device(self) -> torch.device:
         import torch

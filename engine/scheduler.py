@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import MAX_BATCH, DraftState, Proposer
+from engine.speculative import DraftState, Proposer
 
 
 @dataclass
@@ -44,9 +44,10 @@ def derive_seed(seed: int, index: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, max_draft_batch: int = 16) -> None:
         self.block_manager = block_manager
         self.proposer = proposer  # decodes carry its draft tokens when it has some
+        self.max_draft_batch = max_draft_batch  # running sequences up to which steps draft (speculative.max_batch)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -133,9 +134,9 @@ class Scheduler:
 
     def drafting(self) -> bool:
         """Whether the next schedule may give a decode drafts: then the engine reads the step in
-        flight first, as drafts follow real ids. Not past MAX_BATCH running sequences, nor while
-        every one waits out its misses (speculative.DraftState)."""
-        return (self.proposer is not None and len(self.running) <= MAX_BATCH
+        flight first, as drafts follow real ids. Not past max_draft_batch running sequences, nor
+        while every one waits out its misses (speculative.DraftState)."""
+        return (self.proposer is not None and len(self.running) <= self.max_draft_batch
                 and any(s.drafting is None or not s.drafting.skip for s in self.running))
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
@@ -143,10 +144,10 @@ class Scheduler:
         and never past its max_tokens. None while its last token is still being sampled (the draft
         follows real ids), for a prompt's last token (its forks take its blocks this step), where
         sampling reads the history (penalties) or a grammar must vet every token, or above
-        MAX_BATCH running sequences."""
+        max_draft_batch running sequences."""
         params = seq.request.params
         if (self.proposer is None or room <= 0 or seq.num_tokens == seq.num_prompt_tokens or params.penalized
-                or params.structured is not None or len(self.running) > MAX_BATCH):
+                or params.structured is not None or len(self.running) > self.max_draft_batch):
             return []
         state = seq.drafting = seq.drafting or DraftState(self.proposer.num_tokens)
         if state.skip:

@@ -18,31 +18,38 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 METHODS = ("ngram",)
-# Above this many running sequences no step carries drafts: verifying k + 1 tokens a sequence stops
-# riding free on the weights' reads, and the engine gets its overlapped scheduling back.
-MAX_BATCH = 16
-MAX_SKIP = 32  # the most decodes a sequence waits after misses before it drafts again
+MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
+
+
+def max_batch(device_type: str) -> int:
+    """Running sequences up to which steps carry drafts. On a GPU verifying k + 1 tokens a sequence
+    rides on the weights' reads until the batch is large (16: not yet measured); on a CPU every
+    token costs compute, and batch 8 lost 10-20% in bench/spec.py where batch 1 won."""
+    return 16 if device_type == "cuda" else 1
 
 
 @dataclass
 class DraftState:
     """A sequence's recent luck with drafts. After a step with drafts the next proposes one more if
-    all were accepted, else one more than were. A miss (nothing to propose, or nothing accepted)
-    makes the sequence skip its next 2, 4, ... MAX_SKIP decodes: those run overlapped, so text that
-    does not repeat itself soon costs nothing."""
+    all were accepted, else one more than were (at least 2). Rejected drafts (none accepted) make
+    the sequence skip its next 2, 4, ... MAX_SKIP decodes, and nothing to propose its next one:
+    those decodes run overlapped, so text that does not repeat itself soon costs little."""
 
     length: int  # drafts to propose next
     skip: int = 0  # decodes to go before the next proposal
-    misses: int = 0  # misses in a row
+    misses: int = 0  # proposals in a row that the target rejected whole
 
     def record(self, drafted: int, confirmed: int, most: int) -> None:
         """After a proposal (drafted 0: none found) and the target's verdict."""
+        if drafted == 0:
+            self.skip = 1
+            return
         if confirmed == 0:
             self.misses += 1
             self.skip = min(2 ** self.misses, MAX_SKIP)
         else:
             self.misses = 0
-        self.length = max(1, min(most, confirmed + 1 if confirmed < drafted else drafted + 1))
+        self.length = min(most, drafted + 1 if confirmed == drafted else max(2, confirmed + 1))
 
 
 class Proposer(Protocol):

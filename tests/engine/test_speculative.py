@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.speculative import MAX_SKIP, DraftState, NgramProposer, accepted
+from engine.speculative import MAX_SKIP, DraftState, NgramProposer, accepted, max_batch
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -48,20 +48,26 @@ def test_draft_length_follows_acceptance_and_misses_back_off() -> None:
     assert (state.length, state.skip) == (5, 0)  # all accepted: one more
     state.record(drafted=5, confirmed=2, most=6)
     assert (state.length, state.skip) == (3, 0)  # one more than were accepted
+    state.record(drafted=0, confirmed=0, most=6)
+    assert (state.length, state.skip, state.misses) == (3, 1, 0)  # nothing to propose: skip one decode
     skips = []
-    for _ in range(7):  # misses in a row wait twice as long each time, up to MAX_SKIP decodes
+    for _ in range(6):  # rejected drafts in a row wait twice as long each time, up to MAX_SKIP decodes
         state.record(drafted=3, confirmed=0, most=6)
         skips.append(state.skip)
-    assert skips == [2, 4, 8, 16, 32, 32, 32] and MAX_SKIP == 32 and state.length == 1
-    state.record(drafted=1, confirmed=1, most=6)
-    assert (state.misses, state.length) == (0, 2)
+    assert skips == [2, 4, 8, 16, 16, 16] and MAX_SKIP == 16 and state.length == 2
+    state.record(drafted=2, confirmed=2, most=6)
+    assert (state.misses, state.length) == (0, 3)
+
+
+def test_only_a_gpu_drafts_beside_a_batch() -> None:
+    assert max_batch("cuda") > 1 and max_batch("cpu") == 1
 
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
     """The embedded model without and with n-gram speculation."""
     return make_engine(default_model_dir), make_engine(default_model_dir, speculative_method="ngram",
-                                                       num_speculative_tokens=4)
+                                                       num_speculative_tokens=4, speculative_max_batch=8)
 
 
 def assert_same(a: Completion, b: Completion) -> None:
@@ -103,7 +109,8 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(engines) -> Non
 
 def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
     base, _ = engines
-    tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram")
+    tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
+                        speculative_max_batch=4)
     prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     expected = base.generate(prompts, greedy)
