@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram",)
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
+PATIENCE = 3  # proposals rejected whole in a row before a sequence starts skipping decodes
 
 
 def max_batch(device_type: str) -> int:
@@ -30,10 +31,10 @@ def max_batch(device_type: str) -> int:
 
 @dataclass
 class DraftState:
-    """A sequence's recent luck with drafts. After a step with drafts the next proposes one more if
-    all were accepted, else one more than were (at least 2). Rejected drafts (none accepted) make
-    the sequence skip its next 2, 4, ... MAX_SKIP decodes, and nothing to propose its next one:
-    those decodes run overlapped, so text that does not repeat itself soon costs little."""
+    """A sequence's recent luck with drafts. After a step with drafts the next proposes twice as many
+    if all were accepted, else one more than were. After PATIENCE proposals in a row rejected whole the
+    sequence skips its next 4, 8, ... MAX_SKIP decodes, and after nothing to propose its next one:
+    those decodes run overlapped, so text that does not repeat itself costs little."""
 
     length: int  # drafts to propose next
     skip: int = 0  # decodes to go before the next proposal
@@ -44,12 +45,10 @@ class DraftState:
         if drafted == 0:
             self.skip = 1
             return
-        if confirmed == 0:
-            self.misses += 1
-            self.skip = min(2 ** self.misses, MAX_SKIP)
-        else:
-            self.misses = 0
-        self.length = min(most, drafted + 1 if confirmed == drafted else max(2, confirmed + 1))
+        self.misses = self.misses + 1 if confirmed == 0 else 0
+        if self.misses >= PATIENCE:
+            self.skip = min(2 ** (self.misses - 1), MAX_SKIP)
+        self.length = min(most, 2 * drafted if confirmed == drafted else confirmed + 1)
 
 
 class Proposer(Protocol):

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.speculative import MAX_SKIP, DraftState, NgramProposer, accepted, max_batch
+from engine.speculative import MAX_SKIP, PATIENCE, DraftState, NgramProposer, accepted, max_batch
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -43,20 +43,26 @@ def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() ->
 
 
 def test_draft_length_follows_acceptance_and_misses_back_off() -> None:
-    state = DraftState(length=4)
-    state.record(drafted=4, confirmed=4, most=6)
-    assert (state.length, state.skip) == (5, 0)  # all accepted: one more
+    state = DraftState(length=2)
+    state.record(drafted=2, confirmed=2, most=6)
+    assert (state.length, state.skip) == (4, 0)  # all accepted: twice as many
+    state.record(drafted=4, confirmed=4, most=5)
+    assert state.length == 5
     state.record(drafted=5, confirmed=2, most=6)
     assert (state.length, state.skip) == (3, 0)  # one more than were accepted
     state.record(drafted=0, confirmed=0, most=6)
     assert (state.length, state.skip, state.misses) == (3, 1, 0)  # nothing to propose: skip one decode
+    state.skip = 0
     skips = []
-    for _ in range(6):  # rejected drafts in a row wait twice as long each time, up to MAX_SKIP decodes
-        state.record(drafted=3, confirmed=0, most=6)
+    for _ in range(PATIENCE + 4):  # rejected whole: one draft next; from PATIENCE in a row, skips that double
+        state.record(drafted=state.length, confirmed=0, most=6)
         skips.append(state.skip)
-    assert skips == [2, 4, 8, 16, 16, 16] and MAX_SKIP == 16 and state.length == 2
-    state.record(drafted=2, confirmed=2, most=6)
-    assert (state.misses, state.length) == (0, 3)
+        state.skip = 0
+    assert skips == [0, 0, 4, 8, 16, 16, 16] and PATIENCE == 3 and MAX_SKIP == 16 and state.length == 1
+    state.record(drafted=1, confirmed=1, most=6)
+    assert (state.misses, state.length) == (0, 2)
+    state.record(drafted=2, confirmed=1, most=6)
+    assert state.length == 2
 
 
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
