@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram",)
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
-PATIENCE = 3  # proposals rejected whole in a row before a sequence starts skipping decodes
+PATIENCE = 8  # misses in a row before a sequence starts skipping decodes
 
 
 def max_batch(device_type: str) -> int:
@@ -31,24 +31,28 @@ def max_batch(device_type: str) -> int:
 
 @dataclass
 class DraftState:
-    """A sequence's recent luck with drafts. After a step with drafts the next proposes twice as many
-    if all were accepted, else one more than were. After PATIENCE proposals in a row rejected whole the
-    sequence skips its next 4, 8, ... MAX_SKIP decodes, and after nothing to propose its next one:
-    those decodes run overlapped, so text that does not repeat itself costs little."""
+    """A sequence's recent luck with drafts. Each proposal rejected whole halves the next one's
+    length, and any accepted draft restores it. From PATIENCE misses in a row (proposals rejected
+    whole, or decodes with nothing to propose) the sequence skips its next 1, 2, 4, ... MAX_SKIP
+    decodes: those run overlapped, so text that does not repeat itself costs little, while text
+    that does keeps its drafts long."""
 
     length: int  # drafts to propose next
     skip: int = 0  # decodes to go before the next proposal
     misses: int = 0  # proposals in a row that the target rejected whole
+    dry: int = 0  # decodes in a row with nothing to propose
 
     def record(self, drafted: int, confirmed: int, most: int) -> None:
         """After a proposal (drafted 0: none found) and the target's verdict."""
         if drafted == 0:
-            self.skip = 1
-            return
-        self.misses = self.misses + 1 if confirmed == 0 else 0
-        if self.misses >= PATIENCE:
-            self.skip = min(2 ** (self.misses - 1), MAX_SKIP)
-        self.length = min(most, 2 * drafted if confirmed == drafted else confirmed + 1)
+            self.dry += 1
+            misses = self.dry
+        else:
+            self.dry = 0
+            self.misses = misses = self.misses + 1 if confirmed == 0 else 0
+            self.length = max(1, most >> self.misses)
+        if misses >= PATIENCE:
+            self.skip = min(2 ** (misses - PATIENCE), MAX_SKIP)
 
 
 class Proposer(Protocol):

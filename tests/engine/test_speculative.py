@@ -43,26 +43,27 @@ def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() ->
 
 
 def test_draft_length_follows_acceptance_and_misses_back_off() -> None:
-    state = DraftState(length=2)
-    state.record(drafted=2, confirmed=2, most=6)
-    assert (state.length, state.skip) == (4, 0)  # all accepted: twice as many
-    state.record(drafted=4, confirmed=4, most=5)
-    assert state.length == 5
-    state.record(drafted=5, confirmed=2, most=6)
-    assert (state.length, state.skip) == (3, 0)  # one more than were accepted
-    state.record(drafted=0, confirmed=0, most=6)
-    assert (state.length, state.skip, state.misses) == (3, 1, 0)  # nothing to propose: skip one decode
-    state.skip = 0
-    skips = []
-    for _ in range(PATIENCE + 4):  # rejected whole: one draft next; from PATIENCE in a row, skips that double
-        state.record(drafted=state.length, confirmed=0, most=6)
+    state = DraftState(length=4)
+    state.record(drafted=4, confirmed=1, most=4)
+    assert (state.length, state.skip) == (4, 0)  # an accepted draft keeps the drafts long
+    lengths, skips = [], []
+    for _ in range(PATIENCE + 5):  # rejected whole: half as many next; from PATIENCE in a row, skips that double
+        state.record(drafted=state.length, confirmed=0, most=4)
+        lengths.append(state.length)
         skips.append(state.skip)
         state.skip = 0
-    assert skips == [0, 0, 4, 8, 16, 16, 16] and PATIENCE == 3 and MAX_SKIP == 16 and state.length == 1
-    state.record(drafted=1, confirmed=1, most=6)
-    assert (state.misses, state.length) == (0, 2)
-    state.record(drafted=2, confirmed=1, most=6)
-    assert state.length == 2
+    assert lengths == [2] + [1] * (PATIENCE + 4)
+    assert skips == [0] * (PATIENCE - 1) + [1, 2, 4, 8, 16, 16] and MAX_SKIP == 16
+    state.record(drafted=1, confirmed=1, most=4)
+    assert (state.misses, state.length) == (0, 4)
+    dry = []
+    for _ in range(PATIENCE + 1):  # nothing to propose, again and again: the same back-off
+        state.record(drafted=0, confirmed=0, most=4)
+        dry.append(state.skip)
+        state.skip = 0
+    assert dry == [0] * (PATIENCE - 1) + [1, 2] and state.length == 4
+    state.record(drafted=4, confirmed=0, most=4)
+    assert (state.dry, state.skip) == (0, 0)
 
 
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
