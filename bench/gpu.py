@@ -34,8 +34,9 @@ How each figure is taken:
                  a step must read (weights, tied embedding once, plus batch x mean context x KV
                  bytes per token) over the copy bandwidth. The same floor serves every system;
                  a row's is its median run's.
-  ttft ms        one request alone, from add_request to the step that returns its first token
-                 (synchronized); each length warmed up once, then --reps rounds over the lengths;
+  ttft ms        one request alone, from add_request to the moment the engine has its first token
+                 on the host (as a server would send it; the next step, already launched, is not
+                 waited for); each length warmed up once, then --reps rounds over the lengths;
                  a fresh random prompt each time, so the prefix cache never hits.
   kv bytes       KV blocks held by one sequence of the largest TTFT prompt, right after its first
                  token, x bytes per block; floor fraction = theory (tokens x KV bytes per token) /
@@ -236,17 +237,18 @@ def minillm_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
 
 
 def minillm_ttft(engine: LLMEngine, prompt: list[int], device: torch.device) -> tuple[float, int]:
-    """Seconds from add_request to the first sampled token of one request alone, and the KV blocks
-    it holds at that moment."""
+    """Seconds from add_request to the moment the engine holds the first sampled token of one
+    request alone on the host (the step launched after it is not waited for), and the KV blocks it
+    holds then."""
     if engine.has_unfinished():
         raise RuntimeError("TTFT needs an idle engine")
     sync(device)
-    start = time.perf_counter()
+    start = time.monotonic()  # the clock of request.first_token_time
     request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while request.first_token_time is None:
         engine.step()
+    seconds = request.first_token_time - start
     sync(device)
-    seconds = time.perf_counter() - start
     blocks = engine.block_manager.num_used_blocks
     engine.abort(request.request_id)
     return seconds, blocks
@@ -363,6 +365,21 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
+def host_info() -> dict[str, Any]:
+    """The CPU's model and the median time of a fixed pure-Python workload (5 runs): records taken on
+    hosts of different speed say so beside their host-bound figures."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        table: dict[int, int] = {}
+        for i in range(300_000):  # dict and int work, like a scheduler's
+            table[i % 1024] = table.get(i % 1024, 0) + i
+        times.append(time.perf_counter() - t)
+    return {"cpu": cpu, "python_loop_ms": round(1000 * statistics.median(times), 2)}
+
+
 class Bench:
     """Rows, the JSON file they are saved to after every section, and the sections' clock."""
 
@@ -372,6 +389,7 @@ class Bench:
         self.date = datetime.date.today().isoformat()
         self.commit = git_commit()
         self.floor_bytes_per_s: float | None = None
+        self.host = host_info()  # the host's speed moves every host-bound figure (TTFT, batch 64, transformers)
         self.rows: list[Row] = []
         self.timings: list[tuple[str, float]] = []
         self.failed: list[str] = []
@@ -419,7 +437,7 @@ class Bench:
     def save(self) -> None:
         doc = {"bench": "gpu", "gpu": self.gpu, "date": self.date, "time": self.time, "commit": self.commit,
                "partial": self.args.partial, "reps": self.args.reps, "floor_bytes_per_s": self.floor_bytes_per_s,
-               "rows": [asdict(r) for r in self.rows], "comparison": self.comparison,
+               "host": self.host, "rows": [asdict(r) for r in self.rows], "comparison": self.comparison,
                "failed": self.failed, "skipped": self.skipped}
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
         self.args.out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -742,9 +760,12 @@ def compare_with_previous(bench: Bench) -> str:
     missing = sorted({row_key(r) for r in previous["rows"]} - {row_key(asdict(r)) for r in bench.rows})
     bench.comparison = {"file": Path(path).name, "commit": previous.get("commit"), "date": previous.get("date"),
                         "changes": changes, "worse": len(worse), "missing": [list(k) for k in missing]}
+    before_host = previous.get("host") or {}
     lines = [f"Against {Path(path).name} (commit {previous.get('commit')}, {previous.get('date')}): "
              f"{len(worse)} of {len(changes)} figures more than {WORSE:.0%} worse"
              + (f"; {len(missing)} of its figures not measured now" if missing else ""), "",
+             f"Host: {bench.host['cpu']}, Python loop {bench.host['python_loop_ms']} ms; the previous record's: "
+             f"{before_host.get('cpu', 'not recorded')}, {before_host.get('python_loop_ms', '-')} ms", "",
              "| model | system | metric | batch | prompt tokens | previous | now | change |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for c in changes:

@@ -1,8 +1,11 @@
 """Where a decode step's time goes on the GPU: the whole engine step against the CUDA-graph replay
-alone, and the replay's kernels by total time (torch.profiler). Not a benchmark of record.
+alone, and the replay's kernels by total time (torch.profiler). With --prefill, where a prompt's
+time to first token goes: the whole prefill step against its kernels' summed device time (a step
+whose host work outlasts its kernels is launch-bound). Not a benchmark of record.
 
     python3 bench/profile_step.py --model random:llama-3.2-1b --batches 1 8 64
     python3 bench/profile_step.py --batches 1 --quantization int4 --host-profile   # an RTN checkpoint of the shape
+    python3 bench/profile_step.py --batches --prefill 128 2048 --host-profile
     MINILLM_PDL=0 python3 bench/profile_step.py ...   # kernels one after another: with PDL each starts early and its time includes the wait
 """
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import random
 import sys
 import tempfile
 import time
@@ -31,7 +35,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:llama-3.2-1b")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths whose prefill to profile")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
@@ -41,7 +46,7 @@ def main() -> None:
     if quantization == "int4":
         model, quantization = str(int4_checkpoint(args.model.removeprefix(RANDOM_PREFIX), 0, torch.device("cuda"),
                                                   Path(tmp.name))), None
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches),
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches, default=1),
                                     quantization=quantization))
     engine.warm_up()
     for batch in args.batches:
@@ -91,6 +96,52 @@ def main() -> None:
             print(averages.table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
         for request_id in list(engine.requests):
             engine.abort(request_id)
+    for length in args.prefill:
+        profile_prefill(engine, length, args.host_profile)
+
+
+def profile_prefill(engine: LLMEngine, length: int, host_profile: bool, reps: int = 5) -> None:
+    """One prompt of `length` fresh random ids (no prefix hit) to its first token, `reps` times after a
+    warm-up: the median time, then one more under cProfile and one under torch.profiler (the step
+    after it included, which max_tokens=1 still launches)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(length)
+
+    def prefill() -> float:  # to the first token on the host, as bench/gpu.py's TTFT
+        prompt = [rng.randrange(1, 1000) for _ in range(length)]
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        request = engine.add_request(prompt, params)
+        while request.first_token_time is None:
+            engine.step()
+        first = request.first_token_time
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        return (first - start) * 1000
+
+    prefill()
+    wall = sorted(prefill() for _ in range(reps))[reps // 2]
+    host_report = ""
+    if host_profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        prefill()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+        host_report = text.getvalue()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill()
+    averages = prof.key_averages()
+    kernels = sum(e.count for e in averages)
+    device_ms = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in averages) / 1000
+    print(f"\nprefill {length}: first token {wall:.3f} ms, kernels' device time {device_ms:.3f} ms, {kernels} kernels")
+    print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
+    try:
+        print(averages.table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
+    except (AttributeError, KeyError):
+        print(averages.table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":

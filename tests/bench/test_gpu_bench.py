@@ -13,8 +13,9 @@ def test_gpu_bench_smoke_writes_the_agreed_json(tmp_path: Path, run_script, caps
     captured = capsys.readouterr()
     assert code == 0, captured.err[-4000:]
     doc = json.loads(out.read_text())
-    assert set(doc) == {"bench", "gpu", "date", "time", "commit", "partial", "reps", "floor_bytes_per_s", "rows",
-                        "comparison", "failed", "skipped"}
+    assert set(doc) == {"bench", "gpu", "date", "time", "commit", "partial", "reps", "floor_bytes_per_s", "host",
+                        "rows", "comparison", "failed", "skipped"}
+    assert doc["host"]["cpu"] and doc["host"]["python_loop_ms"] > 0
     assert doc["gpu"] == "cpu" and doc["commit"] and doc["date"] and doc["time"]
     assert doc["bench"] == "gpu" and doc["partial"] and doc["reps"] == 3 and doc["comparison"] is None
     assert doc["floor_bytes_per_s"] > 0
