@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.sequence import Request, Sequence, placeholder
+from engine.sequence import Request, Sequence, SequenceStatus, placeholder
 from engine.speculative import METHODS, NgramProposer, accepted, max_batch
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
@@ -324,10 +324,11 @@ class LLMEngine:
         positions = []
         row = 0
         for s in sampling:  # a sequence with drafts takes its tokens when they are read (_accept)
-            positions.append(s.seq.num_tokens)
+            seq = s.seq
+            positions.append(len(seq.token_ids))
             if not s.drafts:
-                s.seq.token_ids.append(placeholder(row))
-                s.seq.num_placeholders += 1
+                seq.token_ids.append(placeholder(row))
+                seq.num_placeholders += 1
             row += 1 + len(s.drafts)
         return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt)
 
@@ -397,21 +398,25 @@ class LLMEngine:
         if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
             launched.masked = self._fill_masks(launched.sampling)
         row = 0
+        now = time.monotonic()
         for s, position in zip(in_flight.sampling, in_flight.positions):
             seq, request = s.seq, s.seq.request
             row += 1 + len(s.drafts)
-            if seq.is_finished:  # aborted, or done in the step before: this token is surplus
+            if seq.status is SequenceStatus.FINISHED:  # aborted, or done in the step before: this token is surplus
                 continue
             first = request.first_token_time is None
             if first:
-                request.first_token_time = time.monotonic()
+                request.first_token_time = now
             if s.drafts:
                 delta = self._accept(s, token_ids[row - 1 - len(s.drafts):row], logprobs[row - 1 - len(s.drafts):row])
             else:
                 seq.token_ids[position] = token_ids[row - 1]
                 seq.num_placeholders -= 1
                 delta = self._append(seq, position, token_ids[row - 1], logprobs[row - 1])
-            ro = outputs.setdefault(request.request_id, RequestOutput(request.request_id, prompt_token_ids=request.prompt_token_ids))
+            ro = outputs.get(request.request_id)
+            if ro is None:
+                ro = outputs[request.request_id] = RequestOutput(request.request_id,
+                                                                 prompt_token_ids=request.prompt_token_ids)
             if first and request.params.prompt_logprobs is not None:
                 ro.prompt_logprobs = [None, *request.prompt_logprobs]
             ro.deltas.append(delta)
@@ -455,25 +460,26 @@ class LLMEngine:
         what text became final."""
         request, params = seq.request, seq.request.params
         self.generation_tokens_total += 1
-        if seq.detokenizer is None and self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        detokenizer, grammar = seq.detokenizer, seq.grammar
+        if detokenizer is None and self.tokenizer is not None:
+            detokenizer = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                                   params.stop)
         # An end-of-sequence token ends the text; it is not part of it (even with special tokens shown).
         ending = token_id in request.eos_token_ids
-        text = seq.detokenizer.add(token_id) if seq.detokenizer and not ending else ""
+        text = detokenizer.add(token_id) if detokenizer and not ending else ""
         reason: str | None = None
         stop_reason: str | int | None = None
         length = position + 1
-        if seq.grammar is not None and token_id in self.eos_token_ids:  # even under ignore_eos
-            seq.grammar.ended = True
-        grammar_ended = seq.grammar is not None and seq.grammar.ended
-        if token_id in params.stop_token_ids or token_id in request.eos_token_ids or grammar_ended:
+        if grammar is not None and token_id in self.eos_token_ids:  # even under ignore_eos
+            grammar.ended = True
+        if ending or token_id in params.stop_token_ids or (grammar is not None and grammar.ended):
             reason, stop_reason = "stop", token_id
-        elif seq.detokenizer and seq.detokenizer.stop_hit is not None:
-            reason, stop_reason = "stop", seq.detokenizer.stop_hit
-        elif length - request.num_prompt_tokens >= request.max_tokens or length >= self.max_model_len:
+        elif detokenizer and detokenizer.stop_hit is not None:
+            reason, stop_reason = "stop", detokenizer.stop_hit
+        elif length - len(request.prompt_token_ids) >= request.max_tokens or length >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if seq.detokenizer and seq.detokenizer.stop_hit is None:
+            if detokenizer and detokenizer.stop_hit is None:
                 text += seq.detokenizer.flush()  # held-back text was not a stop string after all...
                 if seq.detokenizer.stop_hit is not None and reason == "length":  # ...unless it now is
                     reason, stop_reason = "stop", seq.detokenizer.stop_hit
@@ -489,10 +495,11 @@ class LLMEngine:
                             decode=now - first_token, total=now - request.arrival_time)
 
     def _usage(self, request: Request) -> Usage:
+        prompt, sequences = len(request.prompt_token_ids), request.sequences
         return Usage(
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=sum(s.num_real_tokens - request.num_prompt_tokens for s in request.sequences),
-            cached_tokens=request.sequences[0].num_cached_prompt_tokens if request.sequences else 0,
+            prompt_tokens=prompt,
+            completion_tokens=sum(len(s.token_ids) - s.num_placeholders - prompt for s in sequences),
+            cached_tokens=sequences[0].num_cached_prompt_tokens if sequences else 0,
         )
 
     def stats(self) -> EngineStats:

@@ -15,6 +15,7 @@ too) and take rank 0's sampled ids by broadcast, for their next placeholders.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ from kernels.dispatch import programmatic_launches, to_device
 log = logging.getLogger("minillm.engine")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# Steps with prefill chunks replay a graph too, padded to the next of these token counts: launched
+# one by one from the host, a short prefill's kernels take longer to launch than to run.
+PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 2048)
+PREFILL_GRAPH_SEQS = 16  # sequences (chunks, and decodes beside them) a prefill graph takes
+PREFILL_GRAPH_ROWS = 64  # logit rows it computes (a row per sample, drafts included)
 
 
 def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -87,6 +93,61 @@ class _DecodeGraph:
         return self.logits[:n]
 
 
+class _PrefillGraph:
+    """Static input buffers and one captured forward + logits for steps of up to `tokens` tokens
+    over up to PREFILL_GRAPH_SEQS sequences. Padding tokens write to the scratch slot; padding
+    sequences have no queries, so attention skips them (its grid covers `tokens` queries each)."""
+
+    def __init__(self, runner: "ModelRunner", tokens: int, pool: object) -> None:
+        dev, seqs = runner.device, PREFILL_GRAPH_SEQS
+        self.tokens = tokens
+        self.inputs = torch.zeros(3, tokens, dtype=torch.int64, device=dev)  # ids, positions, slots
+        self.inputs[2] = runner.scratch_slot
+        self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
+        # Query starts [seqs + 1] then lengths [seqs]: one buffer, one copy a step.
+        self.lengths = torch.zeros(2 * seqs + 1, dtype=torch.int32, device=dev)
+        self.tables = torch.full((seqs, runner.max_blocks_per_seq), runner.scratch_block, dtype=torch.int32,
+                                 device=dev)
+        self.logit_rows = torch.zeros(PREFILL_GRAPH_ROWS, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata.for_prefill_graph(self.slots, self.lengths[: seqs + 1], self.lengths[seqs + 1:],
+                                                   self.tables, tokens)
+        model, kv = runner.model, runner.kv_cache
+        self.prev_tokens = runner.prev_tokens
+
+        def forward() -> torch.Tensor:
+            ids = resolve_placeholders(self.input_ids, self.prev_tokens)
+            hidden = model(ids, self.positions, kv, meta)
+            return model.compute_logits(hidden[self.logit_rows])
+
+        for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
+            forward()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = forward()
+
+    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
+        """Load this step's inputs into the static buffers, replay, return its logit rows' logits."""
+        n, pad, seqs = len(step.input_ids), self.tokens - len(step.input_ids), PREFILL_GRAPH_SEQS
+        starts = [0, *itertools.accumulate(step.query_lens)]
+        lengths = starts + [n] * (seqs + 1 - len(starts)) + step.seq_lens + [0] * (seqs - len(step.seq_lens))
+        host = torch.tensor([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad],
+                            dtype=torch.int64, pin_memory=True)
+        self.inputs.copy_(host, non_blocking=True)
+        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        rows = step.logit_rows + [0] * (PREFILL_GRAPH_ROWS - len(step.logit_rows))
+        self.logit_rows.copy_(torch.tensor(rows, dtype=torch.int64, pin_memory=True), non_blocking=True)
+        if prev is not None:
+            self.prev_tokens[: len(prev)].copy_(prev)
+        tables = step.block_tables
+        width = max(len(t) for t in tables)
+        table_rows = [t + [scratch_block] * (width - len(t)) for t in tables]
+        self.tables[: len(tables), :width].copy_(torch.tensor(table_rows, dtype=torch.int32, pin_memory=True),
+                                                 non_blocking=True)
+        self.graph.replay()
+        return self.logits[: len(step.logit_rows)]
+
+
 @dataclass
 class StepInputs:
     """One step's batch as plain host data. Rank 0 makes it from the scheduler's output; under
@@ -110,7 +171,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None,
-                 publish: Callable[[StepInputs], None] | None = None) -> None:
+                 publish: Callable[[StepInputs], None] | None = None, max_num_batched_tokens: int = 2048) -> None:
         """`publish`, on rank 0 under tensor parallelism, sends each step to the other ranks."""
         cfg = model.cfg
         self.model = model
@@ -130,19 +191,25 @@ class ModelRunner:
         model.init_rope(max_model_len)
         self.sampler = Sampler(sample_vocab_size)
         self.graphs: dict[int, _DecodeGraph] = {}
+        self.prefill_graphs: dict[int, _PrefillGraph] = {}  # by token count
         # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
         self._followed: torch.Tensor | None = None  # on ranks other than 0: rank 0's last sampled ids
         if use_cuda_graphs and self.device.type == "cuda":
-            self._capture(max_num_seqs)
+            self._capture(max_num_seqs, max_num_batched_tokens)
 
     @torch.inference_mode()
-    def _capture(self, max_num_seqs: int) -> None:
+    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         pool = torch.cuda.graph_pool_handle()
+        # Largest first, so smaller graphs reuse its memory; the prefill graphs share it too (one
+        # step runs at a time, and its logits are sampled before the next replays).
+        tokens = [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens]
+        for count in reversed(tokens):
+            self.prefill_graphs[count] = _PrefillGraph(self, count, pool)
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
-        for batch in reversed(sizes):  # largest first, so smaller graphs reuse its memory
+        for batch in reversed(sizes):
             self.graphs[batch] = _DecodeGraph(self, batch, pool)
-        log.info("captured decode CUDA graphs for batch sizes %s", sizes)
+        log.info("captured CUDA graphs for decode batch sizes %s and prefill token counts %s", sizes, tokens)
 
     def _tensor(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -222,6 +289,8 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if step.graph_batch is not None:
             return self.graphs[step.graph_batch].run(step, self.scratch_slot, self.scratch_block, prev)
+        if (graph := self._prefill_graph_for(step, prev)) is not None:
+            return graph.run(step, self.scratch_slot, self.scratch_block, prev)
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
                                            self.model.num_kv_heads, self.device)
         ids = self._tensor(step.input_ids, torch.int64)
@@ -243,16 +312,21 @@ class ModelRunner:
             return None
         return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
 
+    def _prefill_graph_for(self, step: StepInputs, prev: torch.Tensor | None) -> _PrefillGraph | None:
+        """A captured prefill graph fits a step of no more sequences, logit rows and tokens than it
+        takes, without prompt logprobs (their rows vary)."""
+        if (not self.prefill_graphs or step.prompt_rows or len(step.query_lens) > PREFILL_GRAPH_SEQS
+                or len(step.logit_rows) > PREFILL_GRAPH_ROWS or (prev is not None and len(prev) > len(self.prev_tokens))):
+            return None
+        return next((g for t, g in sorted(self.prefill_graphs.items()) if t >= len(step.input_ids)), None)
+
     @staticmethod
     def sample_rows(s: ScheduledSequence) -> list[SampleRow]:
         """What sampling needs of a sequence, taken before its placeholder for this step is added:
         one row, or one per position its drafts reach, each keyed by the index it samples."""
-        seq = s.seq
-        return [SampleRow(
-            params=seq.request.params,
-            seed=seq.seed,
-            counter=seq.num_tokens + i,
-            prompt_token_ids=seq.request.prompt_token_ids,
-            # A copy of the history only where penalties read it (such steps wait for real ids).
-            output_token_ids=seq.output_token_ids if seq.request.params.penalized else (),
-        ) for i in range(len(s.drafts) + 1)]
+        seq, request = s.seq, s.seq.request
+        params, num_tokens = request.params, len(seq.token_ids)
+        # A copy of the history only where penalties read it (such steps wait for real ids).
+        history = seq.output_token_ids if params.penalized else ()
+        return [SampleRow(params, seq.seed, num_tokens + i, request.prompt_token_ids, history)
+                for i in range(len(s.drafts) + 1)]

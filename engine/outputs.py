@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from engine.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleDelta:
     """What one sample (choice) gained in one step."""
 
@@ -18,7 +18,7 @@ class SampleDelta:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
-@dataclass
+@dataclass(slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -39,7 +39,7 @@ class RequestTimes:
     total: float  # arrival -> finished
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     deltas: list[SampleDelta] = field(default_factory=list)

@@ -21,7 +21,7 @@ from kernels.sampling import gumbel_noise
 from kernels.token_mask import apply_token_mask as token_mask
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """One row of logits to sample from."""
 

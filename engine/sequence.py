@@ -99,4 +99,6 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_pending_forks == 0 and all(s.is_finished for s in self.sequences)
+        sequences = self.sequences
+        return (self.params.n == len(sequences)
+                and all(s.status is SequenceStatus.FINISHED for s in sequences))
