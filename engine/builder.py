@@ -97,4 +97,4 @@ def context_length(config: EngineConfig, model: DecoderModel, num_blocks: int) -
 def build_runner(config: EngineConfig, model: DecoderModel, num_blocks: int, sample_vocab_size: int | None = None,
                  publish: Callable[[StepInputs], None] | None = None) -> ModelRunner:
     return ModelRunner(model, num_blocks, config.block_size, context_length(config, model, num_blocks),
-                       config.max_num_seqs, config.cuda_graphs, sample_vocab_size, publish)
+                       config.max_num_seqs, config.cuda_graphs, sample_vocab_size, publish, config.batched_tokens())

@@ -54,6 +54,23 @@ class AttentionMetadata:
         )
 
     @classmethod
+    def for_prefill_graph(cls, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, tokens: int) -> AttentionMetadata:
+        """Up to `tokens` packed queries over a CUDA graph's static buffers, which every replay reads
+        (the caller refills them): slot_mapping [tokens] int64, query_start_loc [B + 1] and seq_lens
+        [B] int32 (a padding sequence has no queries), block_tables [B, max_blocks] int32. Attention
+        takes the prefill kernel with a grid for `tokens` queries a sequence; the host lengths are
+        placeholders that say so."""
+        return cls(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            query_lens_cpu=[tokens],
+            seq_lens_cpu=[tokens],
+        )
+
+    @classmethod
     def for_decode_graph(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                          num_kv_heads: int) -> AttentionMetadata:
         """One query per sequence over a CUDA graph's static buffers, which every replay reads (the

@@ -66,9 +66,34 @@ def test_cuda_graph_decode_matches_eager_steps() -> None:
     config = dict(model="random:llama-3.2-1b", device="cuda", kv_cache_memory="2GiB", max_num_seqs=8)
     graphed = LLMEngine(EngineConfig(**config))
     assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    graphed.runner.prefill_graphs.clear()  # the same prefill GEMMs as the eager engine's (their own test below)
     eager = LLMEngine(EngineConfig(**config, cuda_graphs=False))
     assert not eager.runner.graphs
     assert [r.token_ids for r in graphed.generate(prompts, params)] == [r.token_ids for r in eager.generate(prompts, params)]
+
+
+def test_prefill_graphs_match_eager_steps() -> None:
+    """Steps with prefill chunks replayed from the prefill graphs (tokens padded to the graph's
+    count, padding sequences, chunks beside decodes, placeholders of the step before) give the
+    eager steps' tokens and logprobs, in float32 (the padded GEMMs may sum in another order)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 100, 300, 700, 64, 1)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    config = dict(model="random:llama-3.2-1b", device="cuda", dtype="float32", kv_cache_memory="2GiB",
+                  max_num_seqs=8, max_num_batched_tokens=512)  # the 700-token prompt in two chunks
+    graphed = LLMEngine(EngineConfig(**config))
+    assert sorted(graphed.runner.prefill_graphs) == [128, 256, 512]
+    replays = []
+    for graph in graphed.runner.prefill_graphs.values():
+        graph.graph.replay = (lambda g: lambda: (replays.append(g.tokens), type(g.graph).replay(g.graph))[1])(graph)
+    eager = LLMEngine(EngineConfig(**config, cuda_graphs=False))
+    got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert 512 in replays and len(replays) >= 2  # the first chunk and the rest of the prompts
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    for g, w in zip(got, want):
+        logprobs = [[lp.logprob for lp in r.samples[0].logprobs] for r in (g, w)]
+        torch.testing.assert_close(*logprobs, atol=1e-3, rtol=1e-3)
+    assert graphed.block_manager.num_used_blocks == 0
 
 
 def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
