@@ -38,6 +38,17 @@ PREFILL_GRAPH_SEQS = 16  # sequences (chunks, and decodes beside them) a prefill
 PREFILL_GRAPH_ROWS = 64  # logit rows it computes (a row per sample, drafts included)
 
 
+def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV cache slots of positions start..end-1, a block's run at a time (prompts run long)."""
+    slots: list[int] = []
+    while start < end:
+        stop = min(end, (start // block_size + 1) * block_size)
+        first = block_table[start // block_size] * block_size + start % block_size
+        slots += range(first, first + stop - start)
+        start = stop
+    return slots
+
+
 def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """Replace placeholders by the previous step's sampled ids (a device op: no host sync)."""
     return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
@@ -264,7 +275,7 @@ class ModelRunner:
                 end = start + s.num_new_tokens
                 input_ids += seq.token_ids[start:end] + s.drafts  # drafts: after the sequence's last token
                 positions += range(start, end)
-                slots += (seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+                slots += cache_slots(seq.block_table, start, end, bs)
             last_row[seq.seq_id] = len(input_ids) - 1
         sampling = [s for s in out.scheduled if s.samples]
         logit_rows: list[int] = []
