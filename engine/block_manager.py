@@ -23,9 +23,11 @@ class Block:
     hash: bytes | None = None  # set once the block is full of computed KV and registered
 
 
-def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
-    """Chained hash: a block's key covers every token before it, not just its own."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+def block_hash(parent: bytes, token_ids: Seq[int] | bytes) -> bytes:
+    """Chained hash: a block's key covers every token before it, not just its own. token_ids: the
+    ids, or their int64 bytes."""
+    data = token_ids if isinstance(token_ids, bytes) else array("q", token_ids).tobytes()
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
 def salt_root(cache_salt: str | None) -> bytes:
@@ -66,10 +68,14 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """seq's chained block hashes, the first num_blocks at least (computed once, kept on seq)."""
         bs, hashes = self.block_size, seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
+        if len(hashes) >= num_blocks:
+            return hashes
+        # The new blocks' ids as int64 bytes in one conversion (a long prompt has hundreds of blocks).
+        data = array("q", seq.token_ids[len(hashes) * bs : num_blocks * bs]).tobytes()
+        width = 8 * bs
+        for offset in range(0, len(data), width):
             parent = hashes[-1] if hashes else salt_root(seq.request.params.cache_salt)
-            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(block_hash(parent, data[offset : offset + width]))
         return hashes
 
     def match_prefix(self, seq: Sequence) -> list[int]:
