@@ -451,6 +451,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _step(self) -> None:
         """One engine step, its schedule checked against the policy."""
         scheduler = self.scheduler
+        landing = [seq for seq, _, _ in self.engine.in_flight or ()]  # their drafts' blocks may fill now
+        self.engine.settle()
+        self._remember(landing)
         running, waiting = list(scheduler.running), list(scheduler.waiting)
         remaining = {s: s.num_tokens - s.num_computed_tokens for s in running}
         decodes = [s for s in running if remaining[s] == 1]
@@ -492,14 +495,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(scheduled.get(s) == 1 + drafts.get(s, 0) for s in decodes if s.status == SequenceStatus.RUNNING)
 
         computed = {s.seq: s.seq.num_computed_tokens for s in out.scheduled}
+        landing = [seq for seq, _, _ in self.engine.in_flight or ()]
         self.engine.run(out)
         self.forked = {s for s in self.forked | set(forks) if s.status == SequenceStatus.RUNNING}
+        self._remember([*computed, *landing])
         for seq, old in computed.items():
             hashes = chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)
-            for i, h in enumerate(hashes):
-                self.hash_history.setdefault(h, tuple(seq.token_ids[: (i + 1) * BS]))
             if self.bm.enable_prefix_caching and not seq.is_finished:  # every block the step filled is findable
                 assert all(h in self.bm.cached for h in hashes[old // BS:])
+
+    def _remember(self, seqs: list[Sequence]) -> None:
+        """The tokens each computed full block's chained hash covers, for check_cache."""
+        for seq in seqs:
+            for i, h in enumerate(chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)):
+                self.hash_history.setdefault(h, tuple(seq.token_ids[: (i + 1) * BS]))
 
     # -- invariants -----------------------------------------------------------------------------
 
@@ -535,9 +544,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bm.pending_copies == []  # each step's copies went out with it
         uses = Counter(b for s in self.scheduler.running for b in s.block_table)
         assert {b.block_id: b.ref_count for b in bm.blocks if b.ref_count} == dict(uses)
+        # A decode with drafts in flight holds slots for its token and drafts, counted once they are read.
+        drafting = {seq: 1 + len(drafts) for seq, _, drafts in self.engine.in_flight or () if drafts}
         for s in self.scheduler.running:
             assert len(set(s.block_table)) == len(s.block_table)
-            assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens)
+            assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens + drafting.get(s, 0))
 
     def check_cache(self) -> None:
         hashed = {b.hash: b.block_id for b in self.bm.blocks if b.hash is not None}

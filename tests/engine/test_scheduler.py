@@ -58,12 +58,16 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
 
     def step(self) -> SchedulerOutput:
-        if self.in_flight is not None and (self.scheduler.drafting() or any(d for _, _, d in self.in_flight)):
-            self._collect(self.in_flight)  # drafts follow real ids, and move a sequence by what is accepted
-            self.in_flight = None
+        self.settle()
         out = self.scheduler.schedule()
         self.run(out)
         return out
+
+    def settle(self) -> None:
+        """What LLMEngine.step does before it schedules: under speculation, land the step in flight."""
+        if self.in_flight is not None and (self.scheduler.drafting() or any(d for _, _, d in self.in_flight)):
+            self._collect(self.in_flight)  # drafts follow real ids, and move a sequence by what is accepted
+            self.in_flight = None
 
     def run(self, out: SchedulerOutput) -> None:
         """Everything LLMEngine.step does after schedule(), in its order."""
