@@ -2,7 +2,8 @@
 
 On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
 8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. Steps with
-prefill chunks run eagerly.
+prefill chunks or drafts replay a prefill graph padded to the next of PREFILL_GRAPH_TOKENS where
+they fit one, else run eagerly.
 
 Nothing here waits for the device. A step is launched while the previous one still runs, so its
 input ids may be placeholders (see engine.sequence.placeholder) for tokens that the previous
@@ -31,9 +32,9 @@ from kernels.dispatch import programmatic_launches, to_device
 log = logging.getLogger("minillm.engine")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Steps with prefill chunks replay a graph too, padded to the next of these token counts: launched
-# one by one from the host, a short prefill's kernels take longer to launch than to run.
-PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 2048)
+# Steps with prefill chunks (or drafts) replay a graph too, padded to the next of these token counts:
+# launched one by one from the host, a short prefill's kernels take longer to launch than to run.
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 PREFILL_GRAPH_SEQS = 16  # sequences (chunks, and decodes beside them) a prefill graph takes
 PREFILL_GRAPH_ROWS = 64  # logit rows it computes (a row per sample, drafts included)
 

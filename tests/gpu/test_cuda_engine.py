@@ -82,7 +82,7 @@ def test_prefill_graphs_match_eager_steps() -> None:
     config = dict(model="random:llama-3.2-1b", device="cuda", dtype="float32", kv_cache_memory="2GiB",
                   max_num_seqs=8, max_num_batched_tokens=512)  # the 700-token prompt in two chunks
     graphed = LLMEngine(EngineConfig(**config))
-    assert sorted(graphed.runner.prefill_graphs) == [128, 256, 512]
+    assert sorted(graphed.runner.prefill_graphs) == [16, 32, 64, 128, 256, 512]
     replays = []
     for graph in graphed.runner.prefill_graphs.values():
         graph.graph.replay = (lambda g: lambda: (replays.append(g.tokens), type(g.graph).replay(g.graph))[1])(graph)
