@@ -6,6 +6,7 @@ whose host work outlasts its kernels is launch-bound). Not a benchmark of record
     python3 bench/profile_step.py --model random:llama-3.2-1b --batches 1 8 64
     python3 bench/profile_step.py --batches 1 --quantization int4 --host-profile   # an RTN checkpoint of the shape
     python3 bench/profile_step.py --batches --prefill 128 2048 --host-profile
+    python3 bench/profile_step.py --batches 1 8 64 --drafts 4   # a verify step (k drafts each) against a decode
     MINILLM_PDL=0 python3 bench/profile_step.py ...   # kernels one after another: with PDL each starts early and its time includes the wait
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.loader import RANDOM_PREFIX  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.speculative import DraftState  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3.2-1b")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 64])
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths whose prefill to profile")
+    parser.add_argument("--drafts", type=int, default=0,
+                        help="every decode carries this many draft tokens (a verify step), whatever is accepted")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
@@ -46,11 +50,17 @@ def main() -> None:
     if quantization == "int4":
         model, quantization = str(int4_checkpoint(args.model.removeprefix(RANDOM_PREFIX), 0, torch.device("cuda"),
                                                   Path(tmp.name))), None
+    spec = dict(speculative_method="ngram", num_speculative_tokens=args.drafts,
+                speculative_max_batch=max(args.batches, default=1)) if args.drafts else {}
     engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches, default=1),
-                                    quantization=quantization))
+                                    quantization=quantization, **spec))
+    if args.drafts:  # the cost of verifying k drafts, not their luck: k every step, never backing off
+        engine.scheduler.proposer = FixedDrafts(args.drafts)
+        DraftState.record = lambda self, drafted, confirmed, most: None
     engine.warm_up()
     for batch in args.batches:
-        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 20, ignore_eos=True)  # timed steps, then profiled ones
+        # Timed steps, then profiled ones; a verify step may emit all its drafts.
+        params = SamplingParams(temperature=0, max_tokens=(2 * args.steps + 20) * (args.drafts + 1), ignore_eos=True)
         for i in range(batch):
             engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
         while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
@@ -72,6 +82,12 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
             host_report = text.getvalue()
+        if args.drafts:  # verify steps replay prefill graphs, or run eagerly: no decode graph to time alone
+            print(f"\nbatch {batch}, {args.drafts} drafts a sequence: engine step {step_ms:.3f} ms")
+            print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
+            continue
         graph = engine.runner.graphs[next(b for b in sorted(engine.runner.graphs) if b >= batch)]
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
@@ -98,6 +114,16 @@ def main() -> None:
             engine.abort(request_id)
     for length in args.prefill:
         profile_prefill(engine, length, args.host_profile)
+
+
+class FixedDrafts:
+    """Proposes `num_tokens` drafts for every decode (the sequence's last token repeated)."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def propose(self, seq, limit: int) -> list[int]:
+        return [seq.token_ids[-1]] * min(self.num_tokens, limit)
 
 
 def profile_prefill(engine: LLMEngine, length: int, host_profile: bool, reps: int = 5) -> None:
