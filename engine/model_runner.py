@@ -27,7 +27,7 @@ from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
-from kernels.dispatch import programmatic_launches, to_device
+from kernels.dispatch import pinned, programmatic_launches, to_device
 
 log = logging.getLogger("minillm.engine")
 
@@ -93,14 +93,14 @@ class _DecodeGraph:
         width = max(len(t) for t in tables)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
-        host = torch.tensor([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
-                             step.seq_lens + [1] * pad], dtype=torch.int64, pin_memory=True)
+        host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
+                       step.seq_lens + [1] * pad], torch.int64)
         self.inputs.copy_(host, non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
         # Only the blocks each sequence has are read, so only that corner of the table is refreshed.
         rows = [t + [scratch_block] * (width - len(t)) for t in tables]
-        self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        self.tables[:n, :width].copy_(pinned(rows, torch.int32), non_blocking=True)
         self.graph.replay()
         return self.logits[:n]
 
@@ -143,19 +143,18 @@ class _PrefillGraph:
         n, pad, seqs = len(step.input_ids), self.tokens - len(step.input_ids), PREFILL_GRAPH_SEQS
         starts = [0, *itertools.accumulate(step.query_lens)]
         lengths = starts + [n] * (seqs + 1 - len(starts)) + step.seq_lens + [0] * (seqs - len(step.seq_lens))
-        host = torch.tensor([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad],
-                            dtype=torch.int64, pin_memory=True)
+        host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad],
+                      torch.int64)
         self.inputs.copy_(host, non_blocking=True)
-        self.lengths.copy_(torch.tensor(lengths, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        self.lengths.copy_(pinned(lengths, torch.int32), non_blocking=True)
         rows = step.logit_rows + [0] * (PREFILL_GRAPH_ROWS - len(step.logit_rows))
-        self.logit_rows.copy_(torch.tensor(rows, dtype=torch.int64, pin_memory=True), non_blocking=True)
+        self.logit_rows.copy_(pinned(rows, torch.int64), non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
         tables = step.block_tables
         width = max(len(t) for t in tables)
         table_rows = [t + [scratch_block] * (width - len(t)) for t in tables]
-        self.tables[: len(tables), :width].copy_(torch.tensor(table_rows, dtype=torch.int32, pin_memory=True),
-                                                 non_blocking=True)
+        self.tables[: len(tables), :width].copy_(pinned(table_rows, torch.int32), non_blocking=True)
         self.graph.replay()
         return self.logits[: len(step.logit_rows)]
 

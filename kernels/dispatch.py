@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -69,12 +70,23 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_NUMPY_INTS = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def pinned(values: list, dtype: torch.dtype | None) -> torch.Tensor:
+    """Host values (ints, or equal-length lists of them) in pinned memory. Integer lists go through
+    numpy, about four times faster than torch.tensor over a long prompt's positions and slots."""
+    if dtype in _NUMPY_INTS:
+        return torch.from_numpy(np.array(values, dtype=_NUMPY_INTS[dtype])).pin_memory()
+    return torch.tensor(values, dtype=dtype, pin_memory=True)
+
+
 def to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """A tensor of host values on `device`, queued behind the device's work instead of waiting for
     it: torch.tensor(..., device="cuda") copies from pageable memory, which waits for the stream."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return pinned(values, dtype).to(device, non_blocking=True)
 
 
 # ---- programmatic dependent launch (PDL) ----------------------------------------------------------
