@@ -28,7 +28,8 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    # The last query tiles see the most keys: they start first, so the short ones fill the tail.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M < q_len:  # the grid covers the longest chunk; shorter ones have idle tiles
@@ -45,13 +46,21 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         offs = tl.arange(0, BLOCK_N)
+        table_ptr = tables_ptr + seq * stride_tab
         end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)  # keys past the tile's last query are unseen
-        for start in range(0, end, BLOCK_N):
+        # Key tiles before the tile's first query are seen whole by every row: no causal mask there.
+        # Key 0 is seen by every row in the first tile, so m is finite from then on.
+        unmasked = (context + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+        for start in range(0, unmasked, BLOCK_N):
+            tok = start + offs
+            valid = tok < end
+            m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, valid[None, :],
+                                       m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
+        for start in range(unmasked, end, BLOCK_N):
             tok = start + offs
             valid = tok < end
             seen = valid[None, :] & (tok[None, :] <= q_pos[:, None])
-            # Key 0 is seen by every row in the first tile, so m is finite from then on.
-            m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tab, kv_head, tok, valid, seen,
+            m, l, acc = attend_kv_tile(q, k_ptr, v_ptr, table_ptr, kv_head, tok, valid, seen,
                                        m, l, acc, scale, stride_c_blk, stride_c_pos, stride_c_kv, BLOCK_SIZE, HEAD_DIM, IEEE)
         out = acc / l[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_t + head * stride_o_h + dims[None, :],
