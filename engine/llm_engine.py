@@ -21,7 +21,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus, placeholder
-from engine.speculative import METHODS, NgramProposer, accepted, max_batch
+from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer, accepted, max_batch
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
@@ -537,7 +537,7 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
+def _proposer(config: EngineConfig) -> Proposer | None:
     """The draft source that --speculative-method names, or None (no speculation)."""
     if config.speculative_method is None:
         return None
@@ -546,6 +546,8 @@ def _proposer(config: EngineConfig) -> NgramProposer | None:
                                   f"{config.speculative_method!r}.", param="speculative_method")
     if config.num_speculative_tokens < 1:
         raise InvalidRequestError("--num-speculative-tokens must be at least 1.", param="num_speculative_tokens")
+    if config.speculative_method == "suffix":
+        return SuffixProposer(config.num_speculative_tokens)
     return NgramProposer(config.num_speculative_tokens)
 
 

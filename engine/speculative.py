@@ -10,6 +10,8 @@ target's probability of that token.
 """
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -17,15 +19,17 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
 PATIENCE = 8  # misses in a row before a sequence starts skipping decodes
 
 
 def max_batch(device_type: str) -> int:
     """Running sequences up to which steps carry drafts. On a GPU verifying k + 1 tokens a sequence
-    rides on the weights' reads until the batch is large (16: not yet measured); on a CPU every
-    token costs compute, and batch 8 lost 10-20% in bench/spec.py where batch 1 won."""
+    rides on the weights' reads until the batch is large: on the H200 a step with 4 drafts a
+    sequence cost 1.4x a decode step at batch 1 and 8 on the 1B shape and 1.0-1.2x on the 8B, but
+    2.7-5.4x at batch 64 (bench/README.md), hence 16. On a CPU every token costs compute, and batch
+    8 lost 10-20% in bench/spec.py where batch 1 won."""
     return 16 if device_type == "cuda" else 1
 
 
@@ -90,6 +94,112 @@ class NgramProposer:
                 if token_ids[i] == first and list(token_ids[i:i + n]) == tail:
                     return list(token_ids[i + n:i + n + k])
         return []
+
+
+class SuffixAutomaton:
+    """The suffix automaton of a token list, grown a token at a time (amortized O(1) each): every
+    distinct substring is a path from state 0. Each state keeps its strings' first end position, so
+    a match's continuation can be read from the tokens."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset  # where its first token is in the sequence it follows
+        self.tokens: list[int] = []
+        self.next: list[dict[int, int]] = [{}]  # transitions by token
+        self.link: list[int] = [-1]  # suffix link: the longest suffix with other end positions
+        self.length: list[int] = [0]  # the longest string of the state
+        self.end: list[int] = [-1]  # the first position where the state's strings end
+        self.last = 0  # the state of the whole list
+
+    def extend(self, token: int) -> None:
+        position = len(self.tokens)
+        self.tokens.append(token)
+        cur = self._state(self.length[self.last] + 1, position, {})
+        p = self.last
+        while p != -1 and token not in self.next[p]:
+            self.next[p][token] = cur
+            p = self.link[p]
+        if p == -1:
+            self.link[cur] = 0
+        else:
+            q = self.next[p][token]
+            if self.length[p] + 1 == self.length[q]:
+                self.link[cur] = q
+            else:  # q also holds longer strings: split off the ones as long as p's plus one
+                clone = self._state(self.length[p] + 1, self.end[q], dict(self.next[q]))
+                self.link[clone] = self.link[q]
+                while p != -1 and self.next[p].get(token) == q:
+                    self.next[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def _state(self, length: int, end: int, transitions: dict[int, int]) -> int:
+        self.next.append(transitions)
+        self.link.append(-1)
+        self.length.append(length)
+        self.end.append(end)
+        return len(self.length) - 1
+
+    def repeat(self, k: int, min_match: int) -> list[int]:
+        """Up to k tokens that followed the first earlier occurrence of the list's longest suffix
+        that occurred before (at least min_match tokens long), or none."""
+        state = self.link[self.last]  # the longest suffix that also ends somewhere earlier
+        if state <= 0 or self.length[state] < min_match:
+            return []
+        return self.tokens[self.end[state] + 1: self.end[state] + 1 + k]
+
+    def follow(self, tail: Tokens[int], k: int, min_match: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix of `tail` found in this list (at least
+        min_match tokens long), or none."""
+        state = length = 0
+        for token in tail:  # the longest suffix of the tail read so far that occurs here
+            while state and token not in self.next[state]:
+                state = self.link[state]
+                length = self.length[state]
+            if token in self.next[state]:
+                state, length = self.next[state][token], length + 1
+        if length < min_match:
+            return []
+        return self.tokens[self.end[state] + 1: self.end[state] + 1 + k]
+
+
+class SuffixProposer:
+    """Suffix decoding: the tokens that followed the longest earlier occurrence of the sequence's
+    own suffix in its prompt and output (a suffix automaton per sequence, grown as its tokens
+    come), or else in the texts of recent sequences, of any request (agent loops and templated
+    replies repeat across requests). Matches are as long as they go, not capped at n tokens."""
+
+    def __init__(self, num_tokens: int, min_match: int = 2, cross_min_match: int = 4, window: int = 4096,
+                 recent: int = 8, tail: int = 32) -> None:
+        self.num_tokens = num_tokens
+        self.min_match = min_match  # within the sequence
+        self.cross_min_match = cross_min_match  # in another sequence's text: longer, as it is less alike
+        self.window = window  # a long prompt's last tokens only: bounds the automaton's build
+        self.tail = tail  # the sequence's last tokens matched against other sequences
+        self._automata: weakref.WeakKeyDictionary[Sequence, SuffixAutomaton] = weakref.WeakKeyDictionary()
+        self._recent: deque[SuffixAutomaton] = deque(maxlen=recent)
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to min(num_tokens, limit) draft tokens to follow seq's tokens, or none."""
+        k = min(self.num_tokens, limit)
+        if k <= 0:
+            return []
+        automaton = self._grown(seq)
+        drafts = automaton.repeat(k, self.min_match)
+        if not drafts:
+            tail = seq.token_ids[-self.tail:]
+            drafts = next((d for other in reversed(self._recent) if other is not automaton
+                           if (d := other.follow(tail, k, self.cross_min_match))), [])
+        return drafts
+
+    def _grown(self, seq: Sequence) -> SuffixAutomaton:
+        automaton = self._automata.get(seq)
+        if automaton is None:
+            automaton = self._automata[seq] = SuffixAutomaton(max(0, len(seq.token_ids) - self.window))
+            self._recent.append(automaton)
+        for token in seq.token_ids[automaton.offset + len(automaton.tokens):]:
+            automaton.extend(token)
+        return automaton
 
 
 def accepted(drafts: Tokens[int], sampled: Tokens[int]) -> int:

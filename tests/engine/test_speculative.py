@@ -1,7 +1,9 @@
-"""Speculative decoding: the n-gram proposer, draft verification, and the engine's outputs with
-speculation equal to those without it (greedy and seeded) on the embedded model, with no KV block
-leaked. The scheduler's and block manager's side, rollbacks included: tests/engine/test_block_manager.py."""
+"""Speculative decoding: the n-gram and suffix proposers, draft verification, and the engine's
+outputs with speculation equal to those without it (greedy and seeded) on the embedded model, with
+no KV block leaked. The scheduler's and block manager's side, rollbacks included: tests/engine/test_block_manager.py."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -9,7 +11,9 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.speculative import MAX_SKIP, PATIENCE, DraftState, NgramProposer, accepted, max_batch
+from engine.sequence import Request, Sequence
+from engine.speculative import (MAX_SKIP, PATIENCE, DraftState, NgramProposer, SuffixAutomaton, SuffixProposer,
+                                accepted, max_batch)
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -34,6 +38,55 @@ def test_a_window_bounds_the_search() -> None:
     far = [1, 2, 3] + [9] * 20 + [1, 2]
     assert NgramProposer(2, window=30).lookup(far, 2) == [3, 9]
     assert NgramProposer(2, window=10).lookup(far, 2) == []
+
+
+def first_earlier_repeat(tokens: list[int], k: int, min_match: int) -> list[int]:
+    """By brute force: what followed the first earlier occurrence of the longest suffix seen before."""
+    n = len(tokens)
+    for length in range(n - 1, min_match - 1, -1):
+        for i in range(n - length):
+            if tokens[i:i + length] == tokens[n - length:]:
+                return tokens[i + length:i + length + k]
+    return []
+
+
+def first_occurrence_after(text: list[int], tail: list[int], k: int, min_match: int) -> list[int]:
+    """By brute force: what followed the first occurrence in text of tail's longest suffix found there."""
+    for length in range(len(tail), min_match - 1, -1):
+        for i in range(len(text) - length + 1):
+            if text[i:i + length] == tail[len(tail) - length:]:
+                return text[i + length:i + length + k]
+    return []
+
+
+def test_the_suffix_automaton_finds_the_longest_match_of_any_length() -> None:
+    rng = random.Random(0)
+    for _ in range(400):  # three tokens, so that lists repeat themselves at every length
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        automaton = SuffixAutomaton()
+        for i, token in enumerate(tokens):  # grown a token at a time, asked at every length
+            automaton.extend(token)
+            assert automaton.repeat(4, 2) == first_earlier_repeat(tokens[:i + 1], 4, 2)
+        tail = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        assert automaton.follow(tail, 3, 2) == first_occurrence_after(tokens, tail, 3, 2)
+
+
+def sequence(tokens: list[int]) -> Sequence:
+    request = Request("r", tokens, SamplingParams(), 16, frozenset())
+    return Sequence(request, 0, list(tokens), 0)
+
+
+def test_suffix_drafts_come_from_the_sequence_then_from_recent_ones() -> None:
+    proposer = SuffixProposer(num_tokens=3)
+    tool_call = [50, 51, 52, 53, 54, 55, 56, 57]
+    first = sequence([1, 2] + tool_call + [9])
+    assert proposer.propose(first, 8) == []  # nothing repeats yet
+    first.token_ids += [1, 2, 50]  # it grows: the automaton follows
+    assert proposer.propose(first, 8) == [51, 52, 53]
+    assert proposer.propose(first, 2) == [51, 52]  # no more than the step allows
+    second = sequence([7, 7, 3, 50, 51, 52, 53])  # another request starts the same call
+    assert proposer.propose(second, 8) == [54, 55, 56]
+    assert proposer.propose(sequence([7, 8, 52, 53]), 8) == []  # two tokens: too short across sequences
 
 
 def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() -> None:
@@ -77,6 +130,15 @@ def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
                                                        num_speculative_tokens=4, speculative_max_batch=8)
 
 
+@pytest.fixture(scope="module", params=["ngram", "suffix"])
+def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEngine]:
+    """The embedded model without speculation, and with each draft source."""
+    if request.param == "ngram":
+        return engines
+    return engines[0], make_engine(default_model_dir, speculative_method=request.param, num_speculative_tokens=4,
+                                   speculative_max_batch=8)
+
+
 def assert_same(a: Completion, b: Completion) -> None:
     assert a.samples.keys() == b.samples.keys()
     for index, sample in a.samples.items():
@@ -93,8 +155,8 @@ def chats(*texts: str) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def test_greedy_and_seeded_outputs_are_those_without_speculation(engines) -> None:
-    base, spec = engines
+def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines) -> None:
+    base, spec = spec_engines
     prompts = chats(CODE, LIST, CODE, LIST)
     params = [
         SamplingParams(temperature=0, max_tokens=48),
