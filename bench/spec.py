@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workloads:
         workloads = {name: workloads[name] for name in args.workloads.split(",")}
     method = f"{PLAIN}-spec-{args.method}"
-    config = dict(model=args.model, device=args.device)
+    config = dict(model=args.model, device=args.device, dtype=args.dtype)
     engines = {PLAIN: LLMEngine(EngineConfig(**config)),
                method: LLMEngine(EngineConfig(**config, speculative_method=args.method,
                                               num_speculative_tokens=args.num_speculative_tokens))}
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(row)
                 log(f"{name:12s} batch {batch:2d} {system:24s} {row['value']:8.1f} tok/s"
                     + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system == method else ""))
-    return dict(bench="spec", device=args.device, model=args.model, date=datetime.date.today().isoformat(),
+    return dict(bench="spec", device=args.device, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
                 commit=git_commit(), method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                 max_tokens=args.max_tokens, reps=args.reps, partial=bool(args.workloads) or args.smoke, rows=rows)
 
@@ -106,6 +106,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
