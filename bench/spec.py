@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workloads:
         workloads = {name: workloads[name] for name in args.workloads.split(",")}
     method = f"{PLAIN}-spec-{args.method}"
-    config = dict(model=args.model, device=args.device, dtype=args.dtype)
+    # Two engines in one process: on a GPU each takes a fixed KV pool, not a share of free memory.
+    config = dict(model=args.model, device=args.device, dtype=args.dtype,
+                  kv_cache_memory="4GiB" if args.device.startswith("cuda") else None)
     engines = {PLAIN: LLMEngine(EngineConfig(**config)),
                method: LLMEngine(EngineConfig(**config, speculative_method=args.method,
                                               num_speculative_tokens=args.num_speculative_tokens))}
