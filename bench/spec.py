@@ -45,7 +45,12 @@ def requests(batch: int, max_tokens: int) -> list[SamplingParams]:
 
 def timed(engine: LLMEngine, prompt: list[dict[str, str]], params: list[SamplingParams]
           ) -> tuple[float, int, list[list[int]], int, int]:
-    """One generate call: seconds, tokens generated, their ids, and the drafts verified and accepted."""
+    """One generate call: seconds, tokens generated, their ids, and the drafts verified and accepted.
+    Each call starts with no memory of earlier requests: it repeats them, which a proposer that
+    remembers other requests (suffix) would otherwise copy."""
+    proposer = engine.scheduler.proposer
+    if proposer is not None and hasattr(proposer, "forget"):
+        proposer.forget()
     before = engine.stats()
     start = time.perf_counter()
     results = engine.generate([prompt] * len(params), params)

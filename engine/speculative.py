@@ -192,6 +192,10 @@ class SuffixProposer:
                            if (d := other.follow(tail, k, self.cross_min_match))), [])
         return drafts
 
+    def forget(self) -> None:
+        """Drop the memory of other sequences (a benchmark that repeats its requests calls it)."""
+        self._recent.clear()
+
     def _grown(self, seq: Sequence) -> SuffixAutomaton:
         automaton = self._automata.get(seq)
         if automaton is None:

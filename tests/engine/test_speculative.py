@@ -87,6 +87,8 @@ def test_suffix_drafts_come_from_the_sequence_then_from_recent_ones() -> None:
     second = sequence([7, 7, 3, 50, 51, 52, 53])  # another request starts the same call
     assert proposer.propose(second, 8) == [54, 55, 56]
     assert proposer.propose(sequence([7, 8, 52, 53]), 8) == []  # two tokens: too short across sequences
+    proposer.forget()
+    assert proposer.propose(sequence([7, 7, 3, 50, 51, 52, 53]), 8) == []  # no memory of the others
 
 
 def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() -> None:
