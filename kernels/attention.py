@@ -22,7 +22,8 @@ class AttentionMetadata:
     the last (query length) of those tokens, so attention is causal with an offset.
 
     Built by `from_host` (a batch given as host lists) or `for_decode_graph` (a CUDA graph's static
-    buffers), which both choose decode attention's split count for the device.
+    buffers), which both choose decode attention's split count for the device, or by
+    `for_prefill_graph` (a prefill graph's static buffers: the prefill kernel always).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
