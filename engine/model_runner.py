@@ -55,6 +55,26 @@ def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.T
     return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
 
 
+def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of forward() and its output, warmed up first outside the capture (Triton
+    compiles, cuBLAS picks its algorithms)."""
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+def copy_tables(dst: torch.Tensor, tables: list[list[int]], scratch_block: int) -> None:
+    """A step's block tables into a graph's static table. Only the blocks each sequence has are read,
+    so only that corner is refreshed (rows padded with the scratch block): one pinned copy."""
+    width = max(len(t) for t in tables)
+    rows = [t + [scratch_block] * (width - len(t)) for t in tables]
+    dst[: len(tables), :width].copy_(pinned(rows, torch.int32), non_blocking=True)
+
+
 class _DecodeGraph:
     """Static input buffers and one captured forward + logits for decode batches of `batch` rows."""
 
@@ -79,18 +99,11 @@ class _DecodeGraph:
             return model.compute_logits(model(ids, self.positions, kv, self.meta))
 
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
-            for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
-                forward()
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.logits = forward()
+            self.graph, self.logits = capture(forward, pool)
 
     def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
-        tables = step.block_tables
-        width = max(len(t) for t in tables)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
         host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
@@ -98,9 +111,7 @@ class _DecodeGraph:
         self.inputs.copy_(host, non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
-        # Only the blocks each sequence has are read, so only that corner of the table is refreshed.
-        rows = [t + [scratch_block] * (width - len(t)) for t in tables]
-        self.tables[:n, :width].copy_(pinned(rows, torch.int32), non_blocking=True)
+        copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
         return self.logits[:n]
 
@@ -131,12 +142,7 @@ class _PrefillGraph:
             hidden = model(ids, self.positions, kv, meta)
             return model.compute_logits(hidden[self.logit_rows])
 
-        for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms) outside the capture
-            forward()
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = forward()
+        self.graph, self.logits = capture(forward, pool)
 
     def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return its logit rows' logits."""
@@ -151,10 +157,7 @@ class _PrefillGraph:
         self.logit_rows.copy_(pinned(rows, torch.int64), non_blocking=True)
         if prev is not None:
             self.prev_tokens[: len(prev)].copy_(prev)
-        tables = step.block_tables
-        width = max(len(t) for t in tables)
-        table_rows = [t + [scratch_block] * (width - len(t)) for t in tables]
-        self.tables[: len(tables), :width].copy_(pinned(table_rows, torch.int32), non_blocking=True)
+        copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
         return self.logits[: len(step.logit_rows)]
 
