@@ -157,18 +157,26 @@ def chats(*texts: str) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines) -> None:
-    base, spec = spec_engines
-    prompts = chats(CODE, LIST, CODE, LIST)
-    params = [
-        SamplingParams(temperature=0, max_tokens=48),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, logprobs=2),
-        # Each draft's position keys its own noise: with any other, most of these samples differ.
-        SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=4),
-        SamplingParams(temperature=0, max_tokens=64, stop=["figs"]),
-    ]
+PROMPTS = chats(CODE, LIST, CODE, LIST)
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=48),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, logprobs=2),
+    # Each draft's position keys its own noise: with any other, most of these samples differ.
+    SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=4),
+    SamplingParams(temperature=0, max_tokens=64, stop=["figs"]),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engines) -> list[Completion]:
+    """PROMPTS under PARAMS without speculation, once for every draft source."""
+    return engines[0].generate(PROMPTS, PARAMS)
+
+
+def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, plain_outputs) -> None:
+    _, spec = spec_engines
     before = spec.stats()
-    expected, got = base.generate(prompts, params), spec.generate(prompts, params)
+    expected, got = plain_outputs, spec.generate(PROMPTS, PARAMS)
     for a, b in zip(expected, got):
         assert_same(a, b)
     after = spec.stats()
