@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.sequence import Request, Sequence, SequenceStatus, placeholder
+from engine.sequence import Request, Sequence, placeholder
 from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer, accepted, max_batch
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
@@ -325,7 +325,7 @@ class LLMEngine:
         row = 0
         for s in sampling:  # a sequence with drafts takes its tokens when they are read (_accept)
             seq = s.seq
-            positions.append(len(seq.token_ids))
+            positions.append(seq.num_tokens)
             if not s.drafts:
                 seq.token_ids.append(placeholder(row))
                 seq.num_placeholders += 1
@@ -402,7 +402,7 @@ class LLMEngine:
         for s, position in zip(in_flight.sampling, in_flight.positions):
             seq, request = s.seq, s.seq.request
             row += 1 + len(s.drafts)
-            if seq.status is SequenceStatus.FINISHED:  # aborted, or done in the step before: this token is surplus
+            if seq.is_finished:  # aborted, or done in the step before: this token is surplus
                 continue
             first = request.first_token_time is None
             if first:
@@ -476,13 +476,13 @@ class LLMEngine:
             reason, stop_reason = "stop", token_id
         elif detokenizer and detokenizer.stop_hit is not None:
             reason, stop_reason = "stop", detokenizer.stop_hit
-        elif length - len(request.prompt_token_ids) >= request.max_tokens or length >= self.max_model_len:
+        elif length - request.num_prompt_tokens >= request.max_tokens or length >= self.max_model_len:
             reason = "length"
         if reason is not None:
             if detokenizer and detokenizer.stop_hit is None:
-                text += seq.detokenizer.flush()  # held-back text was not a stop string after all...
-                if seq.detokenizer.stop_hit is not None and reason == "length":  # ...unless it now is
-                    reason, stop_reason = "stop", seq.detokenizer.stop_hit
+                text += detokenizer.flush()  # held-back text was not a stop string after all...
+                if detokenizer.stop_hit is not None and reason == "length":  # ...unless it now is
+                    reason, stop_reason = "stop", detokenizer.stop_hit
             self.scheduler.finish(seq, reason)
         return SampleDelta(seq.index, [token_id], text, None if logprobs is None else [logprobs], reason, stop_reason)
 
@@ -495,11 +495,10 @@ class LLMEngine:
                             decode=now - first_token, total=now - request.arrival_time)
 
     def _usage(self, request: Request) -> Usage:
-        prompt, sequences = len(request.prompt_token_ids), request.sequences
         return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=sum(len(s.token_ids) - s.num_placeholders - prompt for s in sequences),
-            cached_tokens=sequences[0].num_cached_prompt_tokens if sequences else 0,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=sum(s.num_real_tokens - request.num_prompt_tokens for s in request.sequences),
+            cached_tokens=request.sequences[0].num_cached_prompt_tokens if request.sequences else 0,
         )
 
     def stats(self) -> EngineStats:

@@ -101,7 +101,7 @@ class _DecodeGraph:
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
             self.graph, self.logits = capture(forward, pool)
 
-    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
+    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
@@ -109,8 +109,6 @@ class _DecodeGraph:
         host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
                        step.seq_lens + [1] * pad], torch.int64)
         self.inputs.copy_(host, non_blocking=True)
-        if prev is not None:
-            self.prev_tokens[: len(prev)].copy_(prev)
         copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
         return self.logits[:n]
@@ -144,7 +142,7 @@ class _PrefillGraph:
 
         self.graph, self.logits = capture(forward, pool)
 
-    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int, prev: torch.Tensor | None) -> torch.Tensor:
+    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int) -> torch.Tensor:
         """Load this step's inputs into the static buffers, replay, return its logit rows' logits."""
         n, pad, seqs = len(step.input_ids), self.tokens - len(step.input_ids), PREFILL_GRAPH_SEQS
         starts = [0, *itertools.accumulate(step.query_lens)]
@@ -155,8 +153,6 @@ class _PrefillGraph:
         self.lengths.copy_(pinned(lengths, torch.int32), non_blocking=True)
         rows = step.logit_rows + [0] * (PREFILL_GRAPH_ROWS - len(step.logit_rows))
         self.logit_rows.copy_(pinned(rows, torch.int64), non_blocking=True)
-        if prev is not None:
-            self.prev_tokens[: len(prev)].copy_(prev)
         copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
         return self.logits[: len(step.logit_rows)]
@@ -301,10 +297,11 @@ class ModelRunner:
         if it has neither. `prev` holds the previous step's sampled ids, which the placeholders name."""
         for src, dst in step.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        if step.graph_batch is not None:
-            return self.graphs[step.graph_batch].run(step, self.scratch_slot, self.scratch_block, prev)
-        if (graph := self._prefill_graph_for(step, prev)) is not None:
-            return graph.run(step, self.scratch_slot, self.scratch_block, prev)
+        graph = self.graphs[step.graph_batch] if step.graph_batch is not None else self._prefill_graph_for(step, prev)
+        if graph is not None:
+            if prev is not None:  # every graph reads its placeholders' ids from prev_tokens
+                self.prev_tokens[: len(prev)].copy_(prev)
+            return graph.run(step, self.scratch_slot, self.scratch_block)
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
                                            self.model.num_kv_heads, self.device)
         ids = self._tensor(step.input_ids, torch.int64)
@@ -339,7 +336,7 @@ class ModelRunner:
         """What sampling needs of a sequence, taken before its placeholder for this step is added:
         one row, or one per position its drafts reach, each keyed by the index it samples."""
         seq, request = s.seq, s.seq.request
-        params, num_tokens = request.params, len(seq.token_ids)
+        params, num_tokens = request.params, seq.num_tokens
         # A copy of the history only where penalties read it (such steps wait for real ids).
         history = seq.output_token_ids if params.penalized else ()
         return [SampleRow(params, seq.seed, num_tokens + i, request.prompt_token_ids, history)

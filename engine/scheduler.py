@@ -64,12 +64,11 @@ class Scheduler:
         preempted = False
         chunking = False  # a prefill that needs more than this step is under way: only one at a time
         running = list(self.running)
-        # The loops over the batch below run every step: plain attribute reads, no properties.
-        decodes_left = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1)
+        decodes_left = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
         for seq in running:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
             drafts: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
@@ -88,7 +87,7 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     break
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status == SequenceStatus.RUNNING:
                 budget -= num_new
                 self._schedule(out, seq, num_new, drafts)
         # Admit waiting sequences in arrival order, unless memory was just short. While a prompt is
@@ -169,10 +168,10 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
         drafts = drafts or []
-        samples = seq.num_computed_tokens + num_new - len(drafts) == len(seq.token_ids)
+        samples = seq.num_computed_tokens + num_new - len(drafts) == seq.num_tokens
         out.scheduled.append(ScheduledSequence(seq, num_new, samples=samples, drafts=drafts))
         request = seq.request
-        if samples and seq.index == 0 and request.params.n > len(request.sequences):  # forks pending
+        if samples and seq.index == 0 and request.num_pending_forks:
             # The prompt is complete this step: the other samples share its blocks from now on.
             for index in range(len(request.sequences), request.params.n):
                 child = Sequence(request, index, list(seq.token_ids), derive_seed(seq.seed, index))
@@ -195,17 +194,13 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens' KV is in the cache (a step with drafts counts
         what the target accepts, once its samples are read: LLMEngine._accept)."""
-        block_size = self.block_manager.block_size
         for s in out.scheduled:
             seq = s.seq
-            if s.num_new_tokens and seq.status is not SequenceStatus.FINISHED and not s.drafts:
+            if s.num_new_tokens and not seq.is_finished and not s.drafts:
                 old = seq.num_computed_tokens
-                seq.num_computed_tokens = new = old + s.num_new_tokens
-                prompt = len(seq.request.prompt_token_ids)
-                if old < prompt:
-                    self.num_computed_prompt_tokens += min(new, prompt) - old
-                if new // block_size != old // block_size:  # a block filled up
-                    self.block_manager.cache_full_blocks(seq, old)
+                seq.num_computed_tokens += s.num_new_tokens
+                self.num_computed_prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - old)
+                self.block_manager.cache_full_blocks(seq, old)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop seq (done or aborted) and return its blocks at once."""

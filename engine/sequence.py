@@ -99,6 +99,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        sequences = self.sequences
-        return (self.params.n == len(sequences)
-                and all(s.status is SequenceStatus.FINISHED for s in sequences))
+        return self.num_pending_forks == 0 and all(s.is_finished for s in self.sequences)
