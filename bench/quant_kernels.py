@@ -3,6 +3,7 @@ projection shapes, at decode row counts (M = 1 and 8).
 
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
     python3 bench/quant_kernels.py --int4-one-row   # the INT4 one-row GEMV's tilings, as decode calls it
+    python3 bench/quant_kernels.py --float-one-row  # the bf16 one-row GEMV's tilings, over distinct weights
 
 With --int4-one-row, each projection runs as batch-1 decode calls it (QKV and gate/up scaling by
 the norm factor, gate/up storing SiLU·up, O and down ending in the add-norm epilogue) through the
@@ -30,8 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels import float_linear as float_module  # noqa: E402
 from kernels import int4_linear as int4_module  # noqa: E402
 from kernels.dispatch import programmatic_launches  # noqa: E402
+from kernels.float_linear import float_linear, float_linear_add_norm  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
 from kernels.int4_layout import pack_int4  # noqa: E402
 from kernels.int4_linear import int4_linear, int4_linear_add_norm  # noqa: E402
@@ -46,6 +49,18 @@ GROUP_SIZE = 128
 # are gemv_config's for large and small weights.
 ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 2), (8, 256, 4), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
                    (16, 128, 2), (8, 128, 1), (32, 64, 2), (16, 32, 1))
+
+# (K, N) of the bf16 projections of the shapes --float-one-row times (lm_head: the tied or own head).
+FLOAT_SHAPES = {
+    "llama-3.2-1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048),
+                     "lm_head": (2048, 128256)},
+    "qwen2.5-0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
+                     "lm_head": (896, 151936)},
+}
+# The bf16 GEMV's tilings --float-one-row times: (rows a program, bytes of a row a step, warps, steps
+# read ahead); None is gemv_config's own choice.
+FLOAT_TILINGS = (None, (16, 256, 2, 1), (16, 256, 2, 2), (8, 512, 2, 2), (8, 1024, 4, 1), (8, 1024, 4, 2),
+                 (16, 1024, 4, 1), (8, 1024, 2, 1), (8, 2048, 8, 1), (4, 2048, 4, 1), (4, 1024, 2, 2))
 
 
 def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
@@ -96,6 +111,57 @@ def graph_us(fn, calls: int = 16, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def float_tiling(tiling: tuple[int, int, int, int] | None):
+    """The bf16 one-row GEMV on one tiling for a while (None: gemv_config's), whatever the weight's size."""
+    saved = float_module.gemv_config
+    if tiling is not None:
+        rows, step, warps, ahead = tiling
+        float_module.gemv_config = lambda out_features, in_features, element_size: dict(
+            ROWS=rows, BLOCK_K=step // element_size, num_warps=warps, split=True, AHEAD=ahead)
+    try:
+        yield
+    finally:
+        float_module.gemv_config = saved
+
+
+def float_one_row_tilings(copies: int = 16) -> None:
+    """Each projection as batch-1 decode calls it over `copies` distinct weights (as many layers'
+    worth, so that L2 does not hold them), one CUDA graph with PDL: µs a call and TB/s of weights."""
+    torch.manual_seed(0)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_us = graph_us(lambda: big[: 1 << 29].copy_(big[1 << 29:]), calls=4)
+    print(f"{torch.cuda.get_device_name()}: copy of 512 MiB: {2 * (1 << 29) / copy_us / 1e6:.2f} TB/s (read + write)")
+    del big
+    labels = ["config" if t is None else "{}x{}x{}x{}".format(*t) for t in FLOAT_TILINGS]
+    for shape, projections in FLOAT_SHAPES.items():
+        print(f"\n{shape}: bf16 one-row GEMV, µs a call (TB/s), {copies} distinct weights in a CUDA graph; tiling "
+              "rows x bytes a step x warps x steps ahead\n")
+        print("| projection (K x N) | " + " | ".join(labels) + " |")
+        print("|---|" + "---|" * len(labels))
+        for name, (k, n) in projections.items():
+            layers = 2 if name == "lm_head" else copies
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(layers)]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            norm_in = NormScale(torch.rand(64, device="cuda") * k, 1e-5)
+            residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+            norm_w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+
+            def call(name: str = name) -> None:
+                for w in weights:
+                    if name in ("o", "down"):
+                        float_linear_add_norm(x, w, None, residual, norm_w, 1e-5)
+                    else:
+                        float_linear(x, w, silu_mul=name == "gate_up", norm_in=None if name == "lm_head" else norm_in)
+            cells = []
+            for tiling in FLOAT_TILINGS:
+                with float_tiling(tiling):
+                    us = graph_us(call, calls=1, reps=20) / layers
+                    cells.append(f"{us:.2f} ({2 * n * k / us / 1e6:.2f})")
+            print(f"| {name} ({k} x {n}) | " + " | ".join(cells) + " |", flush=True)
+            del weights
+
+
 def one_row_tilings() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
@@ -131,9 +197,13 @@ def one_row_tilings() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4-one-row", action="store_true", help="time the INT4 one-row kernels' tilings instead")
+    p.add_argument("--float-one-row", action="store_true", help="time the bf16 one-row kernel's tilings instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/quant_kernels.py needs a CUDA GPU")
+    if args.float_one_row:
+        float_one_row_tilings()
+        return
     if args.int4_one_row:
         one_row_tilings()
         return

@@ -39,7 +39,7 @@ def _float_gemv_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """One row of x against ROWS weight rows, BLOCK_K inputs a step (split along K when the rows
     alone leave SMs idle). Each thread keeps float32 sums per weight it reads, reduced once at the
@@ -53,6 +53,9 @@ def _float_gemv_kernel(
     k = k_begin + tl.arange(0, BLOCK_K)
     # Weights are never written, so the first step's may be read before the previous kernel ends.
     w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < k_end)[None, :], other=0.0)
+    if AHEAD == 2:  # two steps in flight: more bytes a thread while the SM waits on DRAM
+        w2 = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=row_ok[:, None] & (k + BLOCK_K < k_end)[None, :],
+                     other=0.0)
     bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, ADD_NORM)
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
@@ -62,8 +65,12 @@ def _float_gemv_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         xk = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * xk[None, :]
-        k_next = k + BLOCK_K  # one step ahead: the next weights in flight while these are summed
-        w = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+        k_next = k + AHEAD * BLOCK_K  # steps ahead: the next weights in flight while these are summed
+        if AHEAD == 2:
+            w = w2
+            w2 = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
     y = tl.sum(acc, axis=1)
     if NORM_IN:
         y *= factor
@@ -113,15 +120,18 @@ def _float_rows_kernel(
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
-    """_float_gemv_kernel's tiling by weight size (kernels/split_k.py's large_tiling), as the FP8
-    one-row kernel's: a small weight takes 4 rows a program of 4 warps, its whole rows (up to 4 KB
-    each) loaded before the wait and no split; a large one 16 rows a program of 2 warps, 256 bytes
-    of each row a step, split along K up to ~8 programs per SM."""
-    step = 256 // element_size
+    """_float_gemv_kernel's tiling by weight shape (kernels/split_k.py's large_tiling). A small weight
+    takes 4 rows a program of 4 warps, its whole rows (up to 4 KB each) loaded before the wait, no
+    split. A large wide one (gate/up, lm_head: enough rows to fill the GPU unsplit) takes 8 rows a
+    program of 4 warps, 1 KB of each row a step; a large deep one (down: few rows, long K) 16 rows
+    of 2 warps, 256 bytes a step, two steps ahead, split along K up to ~8 programs per SM. The
+    three measured fastest in bench/quant_kernels.py --float-one-row (docs/performance.md)."""
     if not large_tiling(out_features, in_features):
         return dict(ROWS=4, BLOCK_K=min(4096 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
-                    split=False)
-    return dict(ROWS=16, BLOCK_K=step, num_warps=2, split=True)
+                    split=False, AHEAD=1)
+    if out_features >= in_features:
+        return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=4, split=True, AHEAD=1)
+    return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, split=True, AHEAD=2)
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:

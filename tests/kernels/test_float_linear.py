@@ -45,11 +45,12 @@ def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, 
 
 
 def test_one_row_tiling_by_weight_size() -> None:
-    # Llama-3.2-1B in bf16: QKV and O in small programs holding whole rows, gate/up and down in the large tiling.
-    assert gemv_config(3072, 2048, 2) == dict(ROWS=4, BLOCK_K=2048, num_warps=4, split=False)
+    # Llama-3.2-1B in bf16: QKV and O in small programs holding whole rows; gate/up (wide) and down
+    # (deep) in the large tilings.
+    assert gemv_config(3072, 2048, 2) == dict(ROWS=4, BLOCK_K=2048, num_warps=4, split=False, AHEAD=1)
     assert gemv_config(64, 160, 4)["BLOCK_K"] == 256 and gemv_config(896, 4864, 2)["BLOCK_K"] == 2048
-    assert gemv_config(16384, 2048, 2) == gemv_config(2048, 8192, 2) == dict(ROWS=16, BLOCK_K=128, num_warps=2,
-                                                                             split=True)
+    assert gemv_config(16384, 2048, 2) == dict(ROWS=8, BLOCK_K=512, num_warps=4, split=True, AHEAD=1)
+    assert gemv_config(2048, 8192, 2) == dict(ROWS=16, BLOCK_K=128, num_warps=2, split=True, AHEAD=2)
 
 
 def test_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter, monkeypatch) -> None:
@@ -114,7 +115,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     y = float_linear(x, weight, bias)
     ref_u, ref_h, ref_norm = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    tile = 64 if rows > 1 else 16 if large else 4
+    tile = 64 if rows > 1 else 16 if large else 4  # large: out_features < in_features, the deep tiling
     assert norm.sumsq.shape == (rows, -(-out_features // tile))
     torch.testing.assert_close(norm.sumsq.sum(-1), ref_norm.sumsq.sum(-1), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(y, norm_w, 1e-5, residual)[0], **TOLERANCE[dtype])
