@@ -27,7 +27,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length (default: the model's, capped by what the KV cache holds)",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes (true/false)",
     "tensor_parallel_size": "GPUs each layer is split over, one process each (on CPU: processes, with gloo)",
-    "speculative_method": "ngram: speculative decoding with drafts looked up in each sequence's prompt and output, verified in one forward (outputs unchanged, seeded ones too); suffix: drafts from the longest earlier match of the sequence's suffix, in its own text or in recent requests'; default: off",
+    "speculative_method": "ngram: speculative decoding with drafts looked up in each sequence's prompt and output, verified in one forward (outputs unchanged, seeded ones too); suffix: drafts from the longest earlier match of the sequence's suffix, in its own text or in recent requests'; draft: drafts sampled from a small model, --speculative-model; default: off",
+    "speculative_model": "the draft model of --speculative-method draft, named as --model is ('default', a directory or random:<shape>), with the model's tokenizer; its KV pool comes out of the KV budget (tensor parallel size 1 only)",
     "num_speculative_tokens": "most draft tokens a sequence carries in one step (with --speculative-method)",
     "speculative_max_batch": "running sequences up to which steps carry drafts (default: 16 on a GPU, 1 on CPU, where verifying drafts beside a batch costs more than it saves)",
 }

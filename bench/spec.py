@@ -12,6 +12,7 @@ tok/s counts generated tokens over each generate call's wall time (prefill of th
 included, the same for both). Acceptance is accepted / drafted tokens in the timed runs.
 
   python bench/spec.py --out bench/results/<date>-cpu-spec.json     # CPU, the embedded model
+  python bench/spec.py --method draft --speculative-model DIR        # drafts from a small model
   python bench/spec.py --smoke                                         # seconds: checks the script
 """
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   kv_cache_memory="4GiB" if args.device.startswith("cuda") else None)
     engines = {PLAIN: LLMEngine(EngineConfig(**config)),
                method: LLMEngine(EngineConfig(**config, speculative_method=args.method,
+                                              speculative_model=args.speculative_model,
                                               num_speculative_tokens=args.num_speculative_tokens))}
     rows: list[dict[str, Any]] = []
     for name, prompt in workloads.items():
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"{name:12s} batch {batch:2d} {system:24s} {row['value']:8.1f} tok/s"
                     + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system == method else ""))
     return dict(bench="spec", device=args.device, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
-                commit=git_commit(), method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
+                num_speculative_tokens=args.num_speculative_tokens,
                 max_tokens=args.max_tokens, reps=args.reps, partial=bool(args.workloads) or args.smoke, rows=rows)
 
 
@@ -115,6 +118,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--method", default="ngram")
+    parser.add_argument("--speculative-model", help="the draft model of --method draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig, parse_bytes
 from engine.distributed import TensorParallel
+from engine.draft_model import check_vocab
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import RANDOM_PREFIX, load_model, model_config
 from engine.model_runner import ModelRunner, StepInputs
@@ -21,9 +22,11 @@ from engine.packed_prefill import pack_sequences
 log = logging.getLogger("minillm.engine")
 
 
-def model_source(config: EngineConfig) -> str | Path:
-    """A `random:<shape>` name as it is, anything else resolved to its directory."""
-    return config.model if config.model.startswith(RANDOM_PREFIX) else resolve_model(config.model)
+def model_source(config: EngineConfig, model: str | None = None) -> str | Path:
+    """A `random:<shape>` name as it is, anything else resolved to its directory (config.model's,
+    or another model's such as the speculative draft's)."""
+    model = model or config.model
+    return model if model.startswith(RANDOM_PREFIX) else resolve_model(model)
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -49,9 +52,18 @@ def load_shard(config: EngineConfig, tp: TensorParallel, device: torch.device) -
                       quantization=config.quantization, tp=tp)
 
 
-def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParallel) -> int:
+def load_draft(config: EngineConfig, device: torch.device, target_vocab: int, tokenizer_vocab: int | None) -> DecoderModel:
+    """The speculative draft model (--speculative-model), whole on the target's device and dtype;
+    its vocabulary is checked against the target's before its weights load."""
+    source = model_source(config, config.speculative_model)
+    check_vocab(model_config(source).vocab_size, target_vocab, tokenizer_vocab)
+    return load_model(source, config.torch_dtype(), device, seed=config.weights_seed)
+
+
+def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParallel,
+                    draft: DecoderModel | None = None) -> int:
     """KV blocks per rank: what this rank's budget holds, the least over ranks (each holds the
-    same blocks of its own heads)."""
+    same blocks of its own heads). A draft model's pool holds as many tokens, from the same budget."""
     device = model.embed_tokens.weight.device
     if config.kv_cache_memory is not None:
         budget = parse_bytes(config.kv_cache_memory)
@@ -59,7 +71,8 @@ def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParalle
         budget = _profiled_kv_budget(config, model)
     else:
         budget = 1 << 30
-    blocks = tp.min(budget // (config.block_size * model.kv_bytes_per_token()), device)
+    per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft is not None else 0)
+    blocks = tp.min(budget // (config.block_size * per_token), device)
     if blocks < 2:
         raise InvalidRequestError(f"The KV budget holds {blocks} blocks; give --kv-cache-memory more.")
     return blocks

@@ -45,7 +45,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True  # capture decode steps on CUDA (off: every step eager, for debugging)
     tensor_parallel_size: int = 1  # devices (processes) each layer is split over: GPUs, or CPU ranks with gloo
-    speculative_method: str | None = None  # "ngram": decode steps carry draft tokens (engine/speculative.py)
+    speculative_method: str | None = None  # ngram, suffix or draft: decode steps carry draft tokens (engine/speculative.py)
+    speculative_model: str | None = None  # the draft model of --speculative-method draft, named as `model` is
     num_speculative_tokens: int = 4  # most draft tokens a sequence carries in one step
     speculative_max_batch: int | None = None  # running sequences up to which steps draft; None: by device
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from engine.model_runner import StepInputs
 from engine.model_store import resolve_model
+from engine.models.llama import DecoderModel
 from engine.outputs import RequestOutput, RequestTimes, SampleDelta, Usage
 from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -25,7 +26,8 @@ from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer,
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
-from engine.builder import build_runner, context_length, kv_cache_blocks, load_shard, model_source
+from engine.builder import build_runner, context_length, kv_cache_blocks, load_draft, load_shard, model_source
+from engine.draft_model import DraftModelProposer
 from engine.workers import start_tensor_parallel
 
 log = logging.getLogger("minillm.engine")
@@ -73,6 +75,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        _check_speculative(config)
         # Under tensor parallelism this process is rank 0; the other ranks start now and build the
         # same shard, KV cache and runner beside it (engine/workers.py).
         self.tp, self.workers, device = start_tensor_parallel(config)
@@ -88,7 +91,9 @@ class LLMEngine:
             # ...nor past the embedding (a tokenizer larger than the model: its extra ids are refused in prompts).
             vocab = self.model_config.vocab_size
             self.sample_vocab_size = min(len(self.tokenizer.hf), vocab) if self.tokenizer else vocab
-            num_blocks = kv_cache_blocks(config, self.model, self.tp)
+            draft = (load_draft(config, device, vocab, len(self.tokenizer.hf) if self.tokenizer else None)
+                     if config.speculative_method == "draft" else None)
+            num_blocks = kv_cache_blocks(config, self.model, self.tp, draft)
             self.max_model_len = context_length(config, self.model, num_blocks)
             self.model_config.check_context(self.max_model_len)
             # No token stands for more characters than its vocabulary entry has, so a prompt longer
@@ -98,7 +103,8 @@ class LLMEngine:
             self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
-                                       _proposer(config), config.speculative_max_batch or max_batch(device.type))
+                                       self._proposer(draft, num_blocks),
+                                       config.speculative_max_batch or max_batch(device.type))
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
@@ -120,6 +126,21 @@ class LLMEngine:
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * self.kv_bytes_per_block / 2**20, f" on each of {self.tp.size} ranks" if self.tp.size > 1 else "",
                  self.max_model_len)
+
+    def _proposer(self, draft: DecoderModel | None, num_blocks: int) -> Proposer | None:
+        """The draft source that --speculative-method names, or None (no speculation)."""
+        config = self.config
+        if config.speculative_method is None:
+            return None
+        if config.speculative_method == "suffix":
+            return SuffixProposer(config.num_speculative_tokens)
+        if config.speculative_method == "ngram":
+            return NgramProposer(config.num_speculative_tokens)
+        log.info("Draft model %s: its own KV pool of %d blocks (%.1f MiB)", config.speculative_model, num_blocks,
+                 num_blocks * config.block_size * draft.kv_bytes_per_token() / 2**20)
+        return DraftModelProposer(draft, config.num_speculative_tokens, num_blocks, config.block_size,
+                                  self.max_model_len, self.sample_vocab_size, config.max_num_seqs,
+                                  config.batched_tokens())
 
     def close(self) -> None:
         """Stop the grammar worker and the other tensor-parallel ranks."""
@@ -536,18 +557,24 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
-def _proposer(config: EngineConfig) -> Proposer | None:
-    """The draft source that --speculative-method names, or None (no speculation)."""
-    if config.speculative_method is None:
-        return None
-    if config.speculative_method not in METHODS:
-        raise InvalidRequestError(f"--speculative-method must be one of {', '.join(METHODS)}, not "
-                                  f"{config.speculative_method!r}.", param="speculative_method")
+def _check_speculative(config: EngineConfig) -> None:
+    """Refuse speculative flags that do not fit together, before anything loads."""
+    method = config.speculative_method
+    if method is None:
+        if config.speculative_model is not None:
+            raise InvalidRequestError("--speculative-model needs --speculative-method draft.", param="speculative_model")
+        return
+    if method not in METHODS:
+        raise InvalidRequestError(f"--speculative-method must be one of {', '.join(METHODS)}, not {method!r}.",
+                                  param="speculative_method")
     if config.num_speculative_tokens < 1:
         raise InvalidRequestError("--num-speculative-tokens must be at least 1.", param="num_speculative_tokens")
-    if config.speculative_method == "suffix":
-        return SuffixProposer(config.num_speculative_tokens)
-    return NgramProposer(config.num_speculative_tokens)
+    if (method == "draft") != (config.speculative_model is not None):
+        raise InvalidRequestError("--speculative-method draft needs --speculative-model, and only it takes one.",
+                                  param="speculative_model")
+    if method == "draft" and config.tensor_parallel_size != 1:
+        raise InvalidRequestError("--speculative-method draft runs with --tensor-parallel-size 1 only.",
+                                  param="speculative_method")
 
 
 def _text_chars(prompt: Prompt) -> int:

@@ -65,6 +65,7 @@ class Scheduler:
         chunking = False  # a prefill that needs more than this step is under way: only one at a time
         running = list(self.running)
         decodes_left = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
+        limits = self._draft_limits(running)
         for seq in running:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -73,8 +74,8 @@ class Scheduler:
             if remaining == 1:
                 decodes_left -= 1
                 num_new = min(1, budget)
-                if num_new and self.proposer is not None:
-                    drafts = self._drafts(seq, budget - decodes_left - 1)
+                if num_new and seq in limits:
+                    drafts = self._drafts(seq, min(limits[seq], budget - decodes_left - 1))
                     num_new += len(drafts)
             else:  # a prefill chunk leaves room for the decodes behind it
                 num_new = self._chunk(remaining, budget - decodes_left)
@@ -139,26 +140,44 @@ class Scheduler:
         return (self.proposer is not None and len(self.running) <= self.max_draft_batch
                 and any(s.drafting is None or not s.drafting.skip for s in self.running))
 
-    def _drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The proposer's draft tokens for a decoding seq: up to `room` and its DraftState's length,
-        and never past its max_tokens. None while its last token is still being sampled (the draft
-        follows real ids), for a prompt's last token (its forks take its blocks this step), where
-        sampling reads the history (penalties) or a grammar must vet every token, or above
-        max_draft_batch running sequences."""
+    def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
+        """The decodes that may draft this step, each with its most drafts (before the step's token
+        budget cuts them); the proposer prepares their drafts in one go. Each sequence's DraftState
+        counts down its skip here, once a schedule."""
+        if self.proposer is None or len(self.running) > self.max_draft_batch:
+            return {}
+        limits = {}
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and (limit := self._draft_limit(seq)) > 0:
+                limits[seq] = limit
+        if limits:
+            self.proposer.prepare(list(limits), list(limits.values()))
+        return limits
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """The most drafts a decoding seq may take: its DraftState's length, never past its
+        max_tokens. Zero while its last token is still being sampled (the draft follows real ids),
+        for a prompt's last token (its forks take its blocks this step), or where sampling reads
+        the history (penalties) or a grammar must vet every token."""
         params = seq.request.params
-        if (self.proposer is None or room <= 0 or seq.num_tokens == seq.num_prompt_tokens or params.penalized
-                or params.structured is not None or len(self.running) > self.max_draft_batch):
-            return []
+        if seq.num_tokens == seq.num_prompt_tokens or params.penalized or params.structured is not None:
+            return 0
         state = seq.drafting = seq.drafting or DraftState(self.proposer.num_tokens)
         if state.skip:
             state.skip -= 1
-            return []
+            return 0
         if seq.num_placeholders:
-            return []
+            return 0
         generated = seq.num_tokens - seq.num_prompt_tokens
-        drafts = self.proposer.propose(seq, min(room, state.length, seq.request.max_tokens - generated - 1))
-        if not drafts and generated + 1 < seq.request.max_tokens:
-            state.record(0, 0, self.proposer.num_tokens)  # a miss: its text does not repeat here
+        return min(state.length, seq.request.max_tokens - generated - 1)
+
+    def _drafts(self, seq: Sequence, limit: int) -> list[int]:
+        """The proposer's draft tokens for a decoding seq, up to `limit`; none found is a miss."""
+        if limit <= 0:
+            return []
+        drafts = self.proposer.propose(seq, limit)
+        if not drafts:
+            seq.drafting.record(0, 0, self.proposer.num_tokens)  # a miss: its text does not repeat here
         return drafts
 
     @property
@@ -209,6 +228,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         # Tokens still being sampled for it are surplus: a finished sequence holds real ids only.

@@ -6,7 +6,9 @@ drafts in one forward and samples every one of the k + 1 positions, each with th
 token the target sampled at its position; the first sample that differs replaces it, and if every
 draft is accepted the last sample comes as a bonus. So greedy and seeded outputs are the same
 token for token with and without speculation, and a deterministic draft is accepted with the
-target's probability of that token.
+target's probability of that token. A draft model (engine/draft_model.py) proposes from a
+distribution; the emitted tokens are still the target's own samples, so the output distribution is
+the target's whatever the draft proposes.
 """
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ import weakref
 from collections import deque
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft")
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
 PATIENCE = 8  # misses in a row before a sequence starts skipping decodes
 
@@ -59,14 +61,24 @@ class DraftState:
             self.skip = min(2 ** (misses - PATIENCE), MAX_SKIP)
 
 
-class Proposer(Protocol):
+class Proposer:
+    """A draft source. Lookups propose a sequence at a time; a draft model computes every drafting
+    sequence's proposals in one batch (prepare), which propose then hands out."""
+
     num_tokens: int  # the most drafts it proposes for a sequence in one step
+
+    def prepare(self, seqs: list[Sequence], limits: list[int]) -> None:
+        """Once a schedule, before any propose: the decodes that may draft, each with its most drafts."""
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow seq's tokens (all real ids), or none."""
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was aborted: drop what is kept for it."""
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
     n tokens (n from max_n down to min_n), in its prompt and output."""
 
@@ -163,7 +175,7 @@ class SuffixAutomaton:
         return self.tokens[self.end[state] + 1: self.end[state] + 1 + k]
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding: the tokens that followed the longest earlier occurrence of the sequence's
     own suffix in its prompt and output (a suffix automaton per sequence, grown as its tokens
     come), or else in the texts of recent sequences, of any request (agent loops and templated

@@ -15,6 +15,7 @@ from engine.block_manager import BlockManager, block_hash
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
+from engine.speculative import Proposer
 from tests.engine.test_scheduler import Engine
 
 BS = 4  # block size everywhere in this file
@@ -360,7 +361,7 @@ class SimulatedKV(Engine):
             self.kv[block_id][pos % BS] = history
 
 
-class GuessingProposer:
+class GuessingProposer(Proposer):
     """Drafts the simulated model's own next tokens (Engine.sample), each wrong where its seed and
     position say so: some steps accept every draft, others reject from any point, and some
     positions have nothing to propose."""

@@ -1,14 +1,15 @@
 """Speculative decoding: the n-gram and suffix proposers, draft verification, and the engine's
 outputs with speculation equal to those without it (greedy and seeded) on the embedded model, with
-no KV block leaked. The scheduler's and block manager's side, rollbacks included: tests/engine/test_block_manager.py."""
+no KV block leaked; the draft-model method on tiny random models, its distribution included. The scheduler's and block manager's side, rollbacks included: tests/engine/test_block_manager.py."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request, Sequence
@@ -225,3 +226,158 @@ def test_flags_are_checked() -> None:
     with pytest.raises(InvalidRequestError, match="num-speculative-tokens"):
         LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", speculative_method="ngram",
                                num_speculative_tokens=0))
+
+
+# ---- the draft-model method: a second model's drafts (engine/draft_model.py) ---------------------
+
+TINY = "random:tiny-llama3"
+DRAFT = "random:tiny-llama3-draft"  # TINY's first layer: its drafts are often, not always, accepted
+OTHER = "random:tiny-qwen2"  # another family of the same vocabulary: its greedy drafts are all rejected
+TINY_BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # one 16-token block of either tiny shape's KV in float32
+TINY_PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302, 303, 304, 305, 306] * 3, [1, 5, 9], [1, 250] * 20]
+TINY_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=32, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=5, max_tokens=24, n=3, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=8, seed=2, max_tokens=36, stop_token_ids=[77], ignore_eos=True),
+]
+
+
+def tiny_engine(**kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=TINY, device="cpu", **{"kv_cache_memory": "2MiB", **kw}))
+
+
+def draft_engine(draft: str = DRAFT, **kw) -> LLMEngine:
+    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256, **kw)
+
+
+def assert_no_draft_block_held(engine: LLMEngine) -> None:
+    proposer = engine.scheduler.proposer
+    assert len(proposer.free_blocks) == proposer.num_blocks and not proposer._kv
+    assert engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("draft", [TINY, DRAFT, OTHER])
+def test_draft_model_outputs_are_those_without_speculation(draft) -> None:
+    """A batch mix (greedy, seeded with logprobs, n > 1, a stop token), then a tight KV pool that
+    preempts, then a prefix-cache hit: drafts from the target itself (all accepted), from its first
+    layer, or from another model (many rejected)."""
+    base, spec = tiny_engine(), draft_engine(draft)
+    for a, b in zip(base.generate(TINY_PROMPTS, TINY_PARAMS), spec.generate(TINY_PROMPTS, TINY_PARAMS)):
+        assert_same(a, b)
+    stats = spec.stats()
+    assert 0 < stats.accepted_draft_tokens
+    assert (stats.accepted_draft_tokens == stats.draft_tokens) == (draft == TINY)
+    assert_no_draft_block_held(spec)
+    tight = draft_engine(draft, kv_cache_memory=14 * 2 * TINY_BLOCK_BYTES, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = base.generate(TINY_PROMPTS, greedy)
+    for a, b in zip(expected, tight.generate(TINY_PROMPTS, greedy)):
+        assert_same(a, b)
+    assert tight.stats().preemptions > 0 and tight.stats().draft_tokens > 0
+    [again] = tight.generate(TINY_PROMPTS[1:2], greedy)
+    assert again.usage.cached_tokens > 0
+    assert_same(expected[1], again)
+    assert_no_draft_block_held(tight)
+
+
+def test_draft_model_outputs_on_the_embedded_model(default_model_dir, plain_outputs) -> None:
+    """The embedded model drafting for itself (a mechanics check: all drafts accepted), on the
+    shared prompts: greedy, seeded, n > 1 and a stop string."""
+    spec = make_engine(default_model_dir, speculative_method="draft", speculative_model=str(default_model_dir),
+                       num_speculative_tokens=4, speculative_max_batch=8)
+    got = spec.generate(PROMPTS, PARAMS)
+    for a, b in zip(plain_outputs, got):
+        assert_same(a, b)
+    assert spec.stats().accepted_draft_tokens > 0 and got[3].samples[0].finish_reason == "stop"
+    assert_no_draft_block_held(spec)
+
+
+def test_aborts_leak_no_draft_block() -> None:
+    spec = draft_engine()
+    requests = [spec.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+                for p in TINY_PROMPTS]
+    for _ in range(40):
+        spec.step()
+        if spec._in_flight is not None and any(s.drafts for s in spec._in_flight.sampling):
+            break
+    else:
+        pytest.fail("no step carried drafts")
+    assert len(spec.scheduler.proposer.free_blocks) < spec.scheduler.proposer.num_blocks
+    for request in requests:
+        spec.abort(request.request_id)
+    while spec.has_unfinished():
+        spec.step()
+    spec.step()
+    assert_no_draft_block_held(spec)
+
+
+def test_a_short_draft_pool_proposes_nothing_rather_than_fail() -> None:
+    spec = draft_engine(TINY)
+    spec.scheduler.proposer.free_blocks.clear()  # as if other sequences held every draft block
+    base = tiny_engine()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for a, b in zip(base.generate(TINY_PROMPTS, params), spec.generate(TINY_PROMPTS, params)):
+        assert_same(a, b)
+    assert spec.stats().draft_tokens == 0
+
+
+def chi_square_p(observed: list[int], expected: list[float]) -> float:
+    """The chi-square test's p-value (Wilson-Hilferty's normal approximation of the tail)."""
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(expected) - 1
+    z = ((statistic / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_draft_model_keeps_the_target_distribution() -> None:
+    """2,000 distinctly seeded samples of 3 tokens at temperature 1, top_k 3, drafted by TINY's
+    first layer (about 40% accepted): the third token is the first that follows a draft, so the
+    (t1, t2, t3) triples must follow the target's own probabilities, computed from its logits (raw
+    top-3 logprobs, renormalized as top_k does)."""
+    base, spec = tiny_engine(), draft_engine()
+    prompt, k = [1, 17, 42, 99, 7], 3
+
+    def next_probs(context: list[int]) -> dict[int, float]:
+        [out] = base.generate([prompt + context], SamplingParams(temperature=0, max_tokens=1, logprobs=k))
+        top = out.samples[0].logprobs[0].top
+        total = sum(math.exp(lp) for _, lp in top)
+        return {t: math.exp(lp) / total for t, lp in top}
+
+    expected: dict[tuple[int, ...], float] = {}
+    for t1, p1 in next_probs([]).items():
+        for t2, p2 in next_probs([t1]).items():
+            for t3, p3 in next_probs([t1, t2]).items():
+                expected[(t1, t2, t3)] = p1 * p2 * p3
+    n = 2000
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=seed, max_tokens=3, ignore_eos=True) for seed in range(n)]
+    counts: dict[tuple[int, ...], int] = {}
+    for result in spec.generate([prompt] * n, params):
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(expected)
+    stats = spec.stats()
+    assert stats.draft_tokens >= n / 2 and 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    cells = sorted(expected, key=expected.get)
+    rare = [c for c in cells if expected[c] * n < 5]  # pooled: the test wants 5 expected a cell
+    common = [c for c in cells if c not in rare]
+    observed = [counts.get(c, 0) for c in common] + ([sum(counts.get(c, 0) for c in rare)] if rare else [])
+    wanted = [expected[c] * n for c in common] + ([sum(expected[c] for c in rare) * n] if rare else [])
+    assert chi_square_p(observed, wanted) > 1e-3
+    assert_no_draft_block_held(spec)
+
+
+def test_draft_flags_are_checked() -> None:
+    with pytest.raises(InvalidRequestError, match="speculative-model") as e:
+        LLMEngine(EngineConfig(model=TINY, device="cpu", speculative_method="draft"))
+    assert e.value.param == "speculative_model"
+    with pytest.raises(InvalidRequestError, match="speculative-model"):
+        LLMEngine(EngineConfig(model=TINY, device="cpu", speculative_method="ngram", speculative_model=TINY))
+    with pytest.raises(InvalidRequestError, match="speculative-model"):
+        LLMEngine(EngineConfig(model=TINY, device="cpu", speculative_model=TINY))
+    with pytest.raises(InvalidRequestError, match="tensor-parallel-size"):
+        LLMEngine(EngineConfig(model=TINY, device="cpu", speculative_method="draft", speculative_model=TINY,
+                               tensor_parallel_size=2))
+    with pytest.raises(ModelLoadError, match="vocabulary"):  # 49,152 ids against the target's 512
+        LLMEngine(EngineConfig(model=TINY, device="cpu", speculative_method="draft",
+                               speculative_model="random:smollm2-135m"))
