@@ -96,6 +96,29 @@ def test_prefill_graphs_match_eager_steps() -> None:
     assert graphed.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
+    """Verify steps replay the prefill graphs beside decodes (and the draft model runs eagerly on the
+    same GPU): greedy and seeded outputs are those without speculation, and no block is left held.
+    float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (5, 20, 60)]  # text that repeats
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    config = dict(model="random:tiny-llama3", device="cuda", dtype="float32", kv_cache_memory="64MiB")
+    draft = "random:tiny-llama3-draft" if method == "draft" else None
+    spec = LLMEngine(EngineConfig(**config, speculative_method=method, num_speculative_tokens=4,
+                                  speculative_max_batch=4, speculative_model=draft))
+    plain = LLMEngine(EngineConfig(**config))
+    got = [r.token_ids for r in spec.generate(prompts, params)]
+    assert got == [r.token_ids for r in plain.generate(prompts, params)]
+    assert spec.accepted_draft_tokens_total > 0
+    assert spec.block_manager.num_used_blocks == 0
+    proposer = spec.scheduler.proposer
+    assert method != "draft" or len(proposer.free_blocks) == proposer.num_blocks
+
+
 def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
     free_before, total = torch.cuda.mem_get_info()
     engine = LLMEngine(EngineConfig(model="random:qwen2.5-0.5b", device="cuda", gpu_memory_utilization=0.5,
