@@ -20,7 +20,6 @@ from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
-from kernels.float_linear import float_linear
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
 
@@ -112,7 +111,7 @@ class DecoderModel(nn.Module):
                                      "use --tensor-parallel-size 1 or a checkpoint with a float lm_head.")
             self.lm_head = make_linear(cfg.hidden_size, rows, False, dtype, self.quant)
         elif not cfg.tie_word_embeddings:
-            self.lm_head = make_linear(cfg.hidden_size, rows, False, dtype, None)
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
@@ -153,7 +152,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            logits = float_linear(hidden, self.embed_tokens.weight)  # the one-row GEMV at batch 1, as a Linear head
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
         logits = self.tp.all_gather(logits)
