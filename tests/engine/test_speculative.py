@@ -158,13 +158,16 @@ def chats(*texts: str) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-PROMPTS = chats(CODE, LIST, CODE, LIST)
+PROMPTS = chats(CODE, LIST, CODE, LIST, CODE, LIST)
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=48),
     SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, logprobs=2),
     # Each draft's position keys its own noise: with any other, most of these samples differ.
     SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=4),
     SamplingParams(temperature=0, max_tokens=64, stop=["figs"]),
+    # Penalties: each draft's row counts the drafts before it, as the step after them would.
+    SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.05, frequency_penalty=0.1),
+    SamplingParams(temperature=0.7, seed=3, max_tokens=40, presence_penalty=0.4, frequency_penalty=0.2),
 ]
 
 
@@ -201,6 +204,18 @@ def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, en
     assert again.usage.cached_tokens > 0
     assert_same(expected[0], again)
     assert tight.block_manager.num_used_blocks == 0
+
+
+def test_penalized_requests_draft_too(engines) -> None:
+    # Mild penalties, so that the text still repeats itself and drafts are found.
+    base, spec = engines
+    params = [SamplingParams(temperature=0, max_tokens=64, frequency_penalty=0.02),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=64, presence_penalty=0.05, repetition_penalty=1.01)]
+    before = spec.stats()
+    for p in params:
+        [expected], [got] = base.generate(chats(LIST), p), spec.generate(chats(LIST), p)
+        assert_same(expected, got)
+    assert spec.stats().accepted_draft_tokens > before.accepted_draft_tokens
 
 
 def test_aborts_leak_no_block(engines) -> None:
