@@ -11,6 +11,13 @@ grammar) or close (its sequence is gone), and which matcher each row of the next
 only when that changed. So a steady decode's message is a few hundred bytes, built without a loop
 over the rows. The worker fills the rows into a bitmask in shared memory and replies with the
 sequences whose matcher refused its token and the seconds it spent.
+
+A sequence with k draft tokens has k + 1 rows keyed by its matcher, and the step sends its drafts
+(`feeds`): the worker fills the first row, then for each further row has the matcher take the draft
+before it and fills that row, and rolls the matcher back after. Rows after a draft the grammar
+refuses allow every token: the target's masked sample before it differs from that draft, so none of
+them is kept. When the ids come, the matcher takes the first row's, then each next row's while the
+row before it sampled that row's draft: the tokens the engine keeps (speculative.accepted).
 The tokenizer thread also sends each new request's spec, so the worker compiles it while the
 engine compiles it to validate it.
 
@@ -79,6 +86,7 @@ class _Step:
     opens: list[tuple[int, StructuredOutput]]
     keys: bytes | None  # int32 by row: the matcher to fill the row from, -1 for none (None: as last step)
     shm_name: str | None  # a new bitmask buffer to attach (None: the last one)
+    feeds: bytes | None = None  # int32 by row: the draft token the row follows, -1 for none (None: no drafts)
 
 
 class GrammarWorker:
@@ -161,10 +169,11 @@ class GrammarWorker:
         own (sent with the next step; a matcher that took a stop token takes no more)."""
         self._accepts.append((self._fill, array("i", token_ids).tobytes()))
 
-    def submit(self, keys: list[int]) -> bool:
+    def submit(self, keys: list[int], feeds: list[int] | None = None) -> bool:
         """Send the ids taken since the last step and have the worker fill the masks of a step whose
-        row r is constrained by the grammar keyed keys[r] (-1: none); returns at once. False if no
-        row has a grammar (nothing is sent)."""
+        row r is constrained by the grammar keyed keys[r] (-1: none), after the draft feeds[r] (-1:
+        none) where sequences carry drafts (None: none does); returns at once. False if no row has
+        a grammar (nothing is sent)."""
         assert not self._pending, "the last step's masks were not taken"
         if max(keys, default=-1) < 0:
             return False
@@ -175,7 +184,8 @@ class GrammarWorker:
         self._fill += 1
         changed = keys != self._keys
         message = _Step(self._fill, self._accepts, self._closes[:], self._opens,
-                        array("i", keys).tobytes() if changed else None, self._shm.name if self._new_shm else None)
+                        array("i", keys).tobytes() if changed else None, self._shm.name if self._new_shm else None,
+                        None if feeds is None else array("i", feeds).tobytes())
         del self._closes[: len(message.closes)]
         self._accepts, self._opens, self._new_shm, self._keys = [], [], False, keys
         self._send(message)
@@ -266,10 +276,12 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
         bitmask: torch.Tensor | None = None
         filled = 0  # the last step's number
         # The last step's rows: (row, matcher) of this process's keys (None: its grammar failed to
-        # open), and the rows with no grammar.
+        # open) but for rows after a draft, those (matcher, its draft rows), and the rows with no grammar.
         mine: list[tuple[int, xgr.GrammarMatcher | None]] = []
+        drafted: list[tuple[xgr.GrammarMatcher | None, list[int]]] = []
         free: list[int] = []
         keys = array("i")
+        feeds: array | None = None  # the last step's drafts by row (None: it had none)
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(e)
         return
@@ -299,6 +311,13 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                 if live:
                     accepted = batch.batch_accept_token([m for _, m in live], [token_ids[r] for r, _ in live])
                     refused += [keys[r] for (r, _), ok in zip(live, accepted) if not ok]
+                for m, rows in drafted:  # each draft row's id, while the row before it sampled its draft
+                    for r in rows:
+                        if m is None or token_ids[r - 1] != feeds[r] or m.is_terminated():
+                            break
+                        if not m.accept_token(token_ids[r]):
+                            refused.append(keys[r])
+                            break
             for key in step.closes:
                 matchers.pop(key, None)
             for key, spec in step.opens:
@@ -308,11 +327,14 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                     matchers[key] = xgr.GrammarMatcher(compiler.compile(spec))
                 except InvalidRequestError:  # the engine compiled it first, so never expected: the sample ends
                     refused.append(key)
-            if step.keys is not None or step.opens or step.closes:
+            if step.keys is not None or step.opens or step.closes or step.feeds is not None or feeds is not None:
                 if step.keys is not None:
                     keys = array("i", step.keys)
-                mine = [(r, matchers.get(k)) for r, k in enumerate(keys) if k >= 0 and k % processes == index]
+                feeds = None if step.feeds is None else array("i", step.feeds)
+                mine = [(r, matchers.get(k)) for r, k in enumerate(keys) if k >= 0 and k % processes == index
+                        and (feeds is None or feeds[r] < 0)]
                 free = [r for r, k in enumerate(keys) if k < 0] if index == 0 else []
+                drafted = _draft_rows(keys, feeds, matchers, index, processes)
             filled = step.fill
             if step.shm_name is not None:
                 if shm is not None:
@@ -332,8 +354,37 @@ def _serve(conn: Connection, info_json: str, cache_size: int, index: int = 0, pr
                 rows[free + done] = -1
             if fills:
                 batch.batch_fill_next_token_bitmask([m for _, m in fills], rows, [r for r, _ in fills])
+            for m, draft_rows in drafted:
+                _fill_after_drafts(m, draft_rows, feeds, rows)
             conn.send((refused, time.perf_counter() - start))
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
             conn.send(e)
     if shm is not None:
         shm.close()
+
+
+def _draft_rows(keys: array, feeds: array | None, matchers: dict[int, xgr.GrammarMatcher], index: int,
+                processes: int) -> list[tuple[xgr.GrammarMatcher | None, list[int]]]:
+    """This process's drafted sequences: (matcher, the rows after its first, each following a draft)."""
+    if feeds is None:
+        return []
+    drafted: dict[int, list[int]] = {}
+    for r, (k, feed) in enumerate(zip(keys, feeds)):
+        if feed >= 0 and k >= 0 and k % processes == index:
+            drafted.setdefault(k, []).append(r)
+    return [(matchers.get(k), rows) for k, rows in drafted.items()]
+
+
+def _fill_after_drafts(m: xgr.GrammarMatcher | None, draft_rows: list[int], feeds: array, rows: torch.Tensor) -> None:
+    """Fill each draft row of a sequence after its matcher takes the drafts up to it, then roll the
+    matcher back. From a draft it refuses (or once it is done) the rows allow every token."""
+    taken, ok = 0, m is not None
+    for r in draft_rows:
+        ok = ok and not m.is_terminated() and m.accept_token(feeds[r])
+        taken += ok
+        if ok and not m.is_terminated():
+            m.fill_next_token_bitmask(rows, r)
+        else:
+            rows[r] = -1
+    if taken:
+        m.rollback(taken)

@@ -386,14 +386,21 @@ class LLMEngine:
         """Have the grammar worker fill each constrained row's allowed next tokens (its grammar has
         seen every earlier token); False if no row needs one."""
         keys = []
+        feeds: list[int] | None = None  # by row, the draft it follows: only in steps with drafts
         for s in sampling:  # the step's hot loop: kept to attribute reads
             seq = s.seq
             grammar = seq.grammar
             if grammar is None and seq.request.params.structured is not None:
                 grammar = self._grammar(seq)
-            keys.append(-1 if grammar is None or grammar.ended or seq.is_finished else grammar.key)
-            keys += [-1] * len(s.drafts)  # a sequence with drafts has no grammar, and a row per draft
-        return self.grammar_worker.submit(keys)
+            key = -1 if grammar is None or grammar.ended or seq.is_finished else grammar.key
+            keys.append(key)
+            if s.drafts:  # a row per draft, each masked by the grammar after the drafts before it
+                feeds = feeds if feeds is not None else [-1] * (len(keys) - 1)
+                feeds += [-1, *s.drafts]
+                keys += [key] * len(s.drafts)
+            elif feeds is not None:
+                feeds.append(-1)
+        return self.grammar_worker.submit(keys, feeds)
 
     def _grammar(self, seq: Sequence) -> Grammar:
         if seq.grammar is None:  # each sample (forks too) starts at the grammar's beginning

@@ -157,10 +157,8 @@ class Scheduler:
     def _draft_limit(self, seq: Sequence) -> int:
         """The most drafts a decoding seq may take: its DraftState's length, never past its
         max_tokens. Zero while its last token is still being sampled (the draft follows real ids),
-        for a prompt's last token (its forks take its blocks this step), or where a grammar must vet
-        every token."""
-        params = seq.request.params
-        if seq.num_tokens == seq.num_prompt_tokens or params.structured is not None:
+        or for a prompt's last token (its forks take its blocks this step)."""
+        if seq.num_tokens == seq.num_prompt_tokens:
             return 0
         state = seq.drafting = seq.drafting or DraftState(self.proposer.num_tokens)
         if state.skip:

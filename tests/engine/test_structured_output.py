@@ -619,6 +619,40 @@ def test_worker_masks_match_xgrammar(engine: LLMEngine, processes: int) -> None:
 
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_worker_masks_each_draft_row_after_the_drafts_before_it(engine: LLMEngine, processes: int) -> None:
+    """A sequence with drafts has a row per draft: each is masked by its grammar after the drafts
+    before it (rows after a draft it refuses allow every token), the matcher is rolled back after,
+    and it then takes the sampled ids the engine keeps: the first row's, then each next row's while
+    the row before sampled its draft."""
+    spec = StructuredOutput("regex", r"[xy]{6}")
+    x, y, z = (engine.tokenizer.encode(t, add_special_tokens=False)[0] for t in "xyz")
+    vocab = engine.sample_vocab_size
+    worker = GrammarWorker(engine.grammars.info, processes=processes)
+
+    def expected(tokens: list[int]) -> torch.Tensor:
+        matcher = xgr.GrammarMatcher(engine.grammars.compile(spec))
+        assert all(matcher.accept_token(t) for t in tokens)
+        alone = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(alone)
+        return alone[0]
+
+    try:
+        a, b = worker.grammar(spec), worker.grammar(spec)  # keys 0 and 1: one per process when split
+        worker.submit([a.key, a.key, a.key, a.key, b.key, -1], [-1, x, z, y, -1, -1])
+        mask = worker.masks()
+        assert torch.equal(mask[0], expected([])) and torch.equal(mask[1], expected([x]))
+        assert torch.all(mask[2] == -1) and torch.all(mask[3] == -1)  # after z, which the grammar refuses
+        assert torch.equal(mask[4], expected([])) and torch.all(mask[5] == -1)
+        worker.accept([x, y, y, x, y, 0])  # a keeps x (row 1's draft) and y (row 1's sample), not row 2's
+        worker.submit([a.key, b.key])
+        mask = worker.masks()
+        assert torch.equal(mask[0], expected([x, y])) and torch.equal(mask[1], expected([y]))
+        assert not a.ended and not b.ended
+    finally:
+        worker.close()
+
+
 def test_fills_split_between_two_processes_give_the_same_outputs(engine: LLMEngine) -> None:
     """A large batch's fills split by key between two worker processes: every request, constrained
     or not, samples exactly what one process gives it (so no row is left to the wrong process)."""
