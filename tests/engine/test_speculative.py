@@ -229,17 +229,15 @@ def test_the_grammar_masks_each_draft_row(engines) -> None:
     # the matcher takes only the tokens kept: outputs are those without speculation, and valid.
     base, spec = engines
     structured = StructuredOutput.json_schema(TODO_SCHEMA)
-    params = [SamplingParams(temperature=0, max_tokens=160, structured=structured),
-              SamplingParams(temperature=0.8, seed=9, max_tokens=160, structured=structured),
+    params = [SamplingParams(temperature=0.8, seed=9, max_tokens=160, structured=structured),
               SamplingParams(temperature=0, max_tokens=8, structured=StructuredOutput("regex", r"(ab){2,6}c"))]
-    prompts = chats(LIST + " Answer in JSON.", LIST + " Answer in JSON.", "Write ababab then c.")
+    prompts = chats(LIST + " Answer in JSON.", "Write ababab then c.")
     before = spec.stats()
     expected, got = base.generate(prompts, params), spec.generate(prompts, params)
     for a, b in zip(expected, got):
         assert_same(a, b)
     assert spec.stats().accepted_draft_tokens > before.accepted_draft_tokens
-    for completion in got[:2]:
-        assert len(json.loads(completion.text)["items"]) >= 3
+    assert len(json.loads(got[0].text)["items"]) >= 3
     assert spec.block_manager.num_used_blocks == 0
 
 

@@ -43,13 +43,16 @@ def _format(fmt: str, out_features: int, in_features: int, dtype: torch.dtype, b
             lambda x, rope: int4_linear_rope_kv(x, *w4, 32, bias, None, rope))
 
 
-@pytest.mark.parametrize("fmt, tokens", [(f, t) for t in (1, 3) for f in ("float", "fp8", "int4")],
-                         ids=[f"{f}{'-few-rows' if t > 1 else ''}" for t in (1, 3) for f in ("float", "fp8", "int4")])
+# The float format with and without a bias; the quantized ones with one (their epilogue is shared).
+CASES = [(f, t, b) for t in (1, 3) for f in ("float", "fp8", "int4") for b in ((False, True) if f == "float" else (True,))]
+
+
+@pytest.mark.parametrize("fmt, tokens, with_bias", CASES,
+                         ids=[f"{f}{'-few-rows' if t > 1 else ''}{'-bias' if b else ''}" for f, t, b in CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("large, heads, kv_heads, head_dim, in_features",
                          [(False, 4, 2, 16, 64), (True, 4, 2, 16, 64), (True, 2, 1, 32, 1024), (False, 3, 1, 8, 64)],
                          ids=["small", "large", "large-split-k", "odd-heads"])
-@pytest.mark.parametrize("with_bias", [False, True])
 def test_rope_and_kv_write_in_the_qkv_epilogue_are_the_projection_then_rope_store_kv(
         triton_interpreter, monkeypatch, fmt, dtype, large, heads, kv_heads, head_dim, in_features, with_bias,
         tokens) -> None:

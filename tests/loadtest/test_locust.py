@@ -12,19 +12,19 @@ import pytest
 
 from tests.app.conftest import start_server
 
-pytestmark = pytest.mark.slow  # a server and ten seconds of locust
+pytestmark = pytest.mark.slow  # a server and six seconds of locust
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
 
 
-def test_ten_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
+def test_six_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
     server = start_server(default_model_dir, tmp_path / "server.log")
-    # 4 users: the default ramp (a user every 30 s) must fit the 10 s. Short prompts and 8 tokens a
+    # 4 users: the default ramp (a user every 30 s) must fit the 6 s. Short prompts and 8 tokens a
     # reply keep each request light on a busy machine, and --stop-timeout (a bound, not a wait) lets
-    # every request started in the 10 s finish, so each one counts however slow the machine is.
+    # every request started in the 6 s finish, so each one counts however slow the machine is.
     cmd = [str(LOCUST), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
-           "--host", server.url, "-u", "4", "-r", "4", "-t", "10s", "--prompt-mix", "short:1",
+           "--host", server.url, "-u", "4", "-r", "4", "-t", "6s", "--prompt-mix", "short:1",
            "--max-tokens", "8", "--stop-timeout", "90", "--csv", "run", "--html", "report.html"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCUST_")}
     try:
@@ -44,6 +44,6 @@ def test_ten_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
     assert count("POST", "/v1/chat/completions") > 0 and count("POST", "/v1/completions") > 0, output
     assert count("TTFT") > 0 and count("ITL") > 0, output
     assert all(r["Name"].startswith("chat ") for r in rows if r["Type"] == "TTFT")  # one row per prompt size
-    assert "step ramp: 1 more users every 1.7 s up to 4 users, all 4 from 5.0 s of the 10 s run" in output, output
+    assert "step ramp: 1 more users every 1.0 s up to 4 users, all 4 from 3.0 s of the 6 s run" in output, output
     assert "Shape test updating to 4 users" in output, "the step ramp reached -u"
     assert (tmp_path / "report.html").stat().st_size > 0

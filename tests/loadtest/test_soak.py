@@ -30,9 +30,9 @@ def run_soak(url: str, out: Path, *flags: str) -> tuple[int, dict, str]:
     return result.returncode, json.loads(out.read_text()) if out.exists() else {}, output
 
 
-@pytest.mark.slow  # the shared server and 15 s of load
+@pytest.mark.slow  # the shared server and 6 s of load
 def test_soak_of_the_real_server_passes(server: Server, tmp_path: Path) -> None:  # noqa: F811
-    rc, report, output = run_soak(server.url, tmp_path / "report.json", "--duration", "15s", "--concurrency", "4",
+    rc, report, output = run_soak(server.url, tmp_path / "report.json", "--duration", "6s", "--concurrency", "4",
                                   "--max-tokens", "16", "--sample-every", "1")
     assert rc == 0, output
     assert report["passed"] and set(report["checks"]) == CHECKS, output
