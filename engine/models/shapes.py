@@ -49,17 +49,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1024, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 2,
     },
-    # tiny-llama3's first layer: random weights are drawn in checkpoint order, so under the same
-    # seed it has tiny-llama3's embedding, final norm and layer 0. A draft model for tests.
-    "tiny-llama3-draft": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0,
-                                                 "original_max_position_embeddings": 64},
-        "max_position_embeddings": 1024, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2,
-    },
     "tiny-mistral": {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -75,6 +64,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 1, "eos_token_id": 2,
     },
 }
+# tiny-llama3's first layer: random weights are drawn in checkpoint order, so under the same seed it
+# has tiny-llama3's embedding, final norm and layer 0. A draft model for tests.
+SHAPES["tiny-llama3-draft"] = {**SHAPES["tiny-llama3"], "num_hidden_layers": 1}
 
 
 def shape_config(name: str) -> dict[str, Any]:
