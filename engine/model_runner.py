@@ -337,11 +337,9 @@ class ModelRunner:
         one row, or one per position its drafts reach, each keyed by the index it samples."""
         seq, request = s.seq, s.seq.request
         params, num_tokens = request.params, seq.num_tokens
-        if not params.penalized:
-            return [SampleRow(params, seq.seed, num_tokens + i, request.prompt_token_ids, ())
-                    for i in range(len(s.drafts) + 1)]
         # Penalties read the history (such steps wait for real ids); a draft's row reads the drafts
         # before it too, as the step after them would.
-        history = seq.output_token_ids
-        return [SampleRow(params, seq.seed, num_tokens + i, request.prompt_token_ids, [*history, *s.drafts[:i]])
+        history = seq.output_token_ids if params.penalized else None
+        return [SampleRow(params, seq.seed, num_tokens + i, request.prompt_token_ids,
+                          () if history is None else [*history, *s.drafts[:i]])
                 for i in range(len(s.drafts) + 1)]

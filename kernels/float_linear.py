@@ -66,11 +66,11 @@ def _float_gemv_kernel(
         xk = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * xk[None, :]
         k_next = k + AHEAD * BLOCK_K  # steps ahead: the next weights in flight while these are summed
+        w_next = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
         if AHEAD == 2:
-            w = w2
-            w2 = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+            w, w2 = w2, w_next
         else:
-            w = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+            w = w_next
     y = tl.sum(acc, axis=1)
     if NORM_IN:
         y *= factor
@@ -122,7 +122,7 @@ def _float_rows_kernel(
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
     """_float_gemv_kernel's tiling by weight shape (kernels/split_k.py's large_tiling). A small weight
     takes 4 rows a program of 4 warps, its whole rows (up to 4 KB each) loaded before the wait, no
-    split. A large wide one (gate/up, lm_head: enough rows to fill the GPU unsplit) takes 8 rows a
+    split. A large wide one (gate/up: enough rows to fill the GPU unsplit) takes 8 rows a
     program of 4 warps, 1 KB of each row a step; a large deep one (down: few rows, long K) 16 rows
     of 2 warps, 256 bytes a step, two steps ahead, split along K up to ~8 programs per SM. The
     three measured fastest in bench/quant_kernels.py --float-one-row (docs/performance.md)."""
