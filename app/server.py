@@ -37,6 +37,7 @@ from app.state import AppState
 from engine.async_engine import AsyncEngine
 from engine.config import parse_bytes
 from engine.errors import InvalidRequestError, MinillmError
+from engine.grammar_worker import start_fork_server
 from engine.llm_engine import LLMEngine
 from engine.loader import LOAD_TIME_QUANTIZATION, RANDOM_PREFIX, model_config
 from engine.model_store import DEFAULT_MODEL, resolve_model
@@ -76,6 +77,7 @@ async def load_engine(state: AppState, failed: Callable[[], None] = lambda: None
     """Load the model off the event loop, warm it with one token, then declare readiness. On failure
     `failed` runs: under Granian it ends the server, so a bad model is a crash loop with its reason."""
     try:
+        start_fork_server()  # the grammar worker's imports, beside the model's loading
         llm = await asyncio.to_thread(LLMEngine, state.settings.engine)
         await asyncio.to_thread(llm.warm_up)
         engine = state.engine = AsyncEngine(llm).start()

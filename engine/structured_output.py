@@ -11,12 +11,15 @@ import json
 import re
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import GRAMMAR_KINDS, StructuredOutput
-from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the grammar worker's processes import this module, and need no transformers tokenizer
+    from engine.tokenizer import Tokenizer
 
 
 def _choice_grammar(spec: str) -> str:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.decode_attention import decode_attention_triton, num_splits_for
 from kernels.dispatch import to_device, use_triton
@@ -130,8 +129,11 @@ def paged_attention_ref(
         if group > 1:  # flash attention's lower-right causal path takes equal head counts
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         # Query i sits at position seq_len - q_len + i and sees keys up to and including itself: a
-        # causal mask aligned to the lower right, which SDPA runs as flash attention on CUDA.
-        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=causal_lower_right(q_len, seq_len),
+        # causal mask aligned to the lower right (SDPA's own causal one when nothing came before).
+        # Not torch.nn.attention.bias's causal_lower_right: importing it imports torch._dynamo (~1 s).
+        before = seq_len - q_len
+        mask = None if before == 0 else torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(before)
+        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=mask, is_causal=before == 0,
                                            scale=scale)[0]
         out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
     return out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,14 @@ def hf_default(default_model_dir: Path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The shared server (tests/app/conftest.py's Server): the embedded model, float32 on CPU, no API
+    key. Here, so that every package's tests share one process."""
+    from tests.app.conftest import start_server
+
+    s = start_server(default_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+    yield s
+    s.stop()

@@ -65,17 +65,21 @@ def start_server(model_dir: Path, log: Path, *flags: str, env: dict[str, str] | 
 
 
 @pytest.fixture(scope="session")
-def server(default_model_dir, tmp_path_factory) -> Iterator[Server]:
-    """The shared server: embedded model, float32 on CPU, no API key."""
-    s = start_server(default_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+def keyed_server(default_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """A server that needs an API key (two keys accepted) and queues no waiting requests."""
+    s = start_server(default_model_dir, tmp_path_factory.mktemp("keyed") / "server.log",
+                     env={"MINILLM_API_KEY": "key-one,key-two", "MINILLM_MAX_QUEUE": "0"})
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
-def keyed_server(default_model_dir, tmp_path_factory) -> Iterator[Server]:
-    """A server that needs an API key (two keys accepted) and queues no waiting requests."""
-    s = start_server(default_model_dir, tmp_path_factory.mktemp("keyed") / "server.log",
-                     env={"MINILLM_API_KEY": "key-one,key-two", "MINILLM_MAX_QUEUE": "0"})
+def random_server(default_model_dir, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
+    """A tiny random-weight Llama with the embedded model's tokenizer and template: a token costs ~1 ms
+    rather than ~60, and what it says is noise (so what comes back valid, a grammar made valid). Its
+    short context bounds what any request can cost; the shared server's metrics and queue stay alone."""
+    model_dir = tiny_model_dir("tiny-llama3", vocab_size=49152)[0]
+    s = start_server(model_dir, tmp_path_factory.mktemp("random") / "server.log", "--max-model-len", "1024",
+                     "--tokenizer", str(default_model_dir))
     yield s
     s.stop()

@@ -14,9 +14,6 @@ too strict for an LLM server rather than signs of a bug:
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
@@ -29,7 +26,7 @@ from schemathesis.checks import (
 from schemathesis.core.result import Err
 
 from app.openapi import openapi_schema
-from tests.app.conftest import Server, start_server
+from tests.app.conftest import Server
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           unsupported_method]
@@ -52,19 +49,6 @@ GENERATION_PATHS = {"/v1/chat/completions": "max_tokens", "/v1/completions": "ma
 schema = schemathesis.openapi.from_dict(openapi_schema(), config=schemathesis.Config.from_dict({"seed": 0}))
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(default_model_dir, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
-    """A server of our own, so fuzzing leaves the shared one's metrics and queue alone: a tiny
-    random-weight Llama with the embedded model's tokenizer and template (the API is under test, not
-    the text; a token costs ~1 ms rather than ~60). Its short context bounds what any request that
-    slips past the token cap can cost."""
-    model_dir = tiny_model_dir("tiny-llama3", vocab_size=49152)[0]
-    s = start_server(model_dir, tmp_path_factory.mktemp("fuzzed") / "server.log", "--max-model-len", "256",
-                     "--tokenizer", str(default_model_dir))
-    yield s
-    s.stop()
-
-
 def bounded(body: object, key: str = "max_tokens") -> object:
     """A generation body with its token count capped at MAX_TOKENS (see there), set in `key` where it
     has none; all else unchanged."""
@@ -80,10 +64,10 @@ def bounded(body: object, key: str = "max_tokens") -> object:
     return out
 
 
-def test_served_schema_loads_and_validates(fuzzed_server: Server) -> None:
+def test_served_schema_loads_and_validates(random_server: Server) -> None:
     """The served /openapi.json is the one fuzzed below, and every operation in it resolves
     (references, request bodies, parameters) without a schema error."""
-    served = schemathesis.openapi.from_url(fuzzed_server.url + "/openapi.json")
+    served = schemathesis.openapi.from_url(random_server.url + "/openapi.json")
     assert served.raw_schema == openapi_schema()
     results = list(served.get_all_operations())
     assert [r.err() for r in results if isinstance(r, Err)] == []
@@ -109,7 +93,7 @@ def test_bounded_caps_only_token_counts() -> None:
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
           # Generation speed varies on a busy two-core machine; it says nothing about the server.
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
-def test_no_server_errors_and_responses_conform(case: schemathesis.Case, fuzzed_server: Server) -> None:
+def test_no_server_errors_and_responses_conform(case: schemathesis.Case, random_server: Server) -> None:
     if case.operation.path in GENERATION_PATHS:
         case.body = bounded(case.body, GENERATION_PATHS[case.operation.path])
-    case.call_and_validate(base_url=fuzzed_server.url, checks=CHECKS, timeout=30)
+    case.call_and_validate(base_url=random_server.url, checks=CHECKS, timeout=30)

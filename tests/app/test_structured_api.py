@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.app.conftest import MODEL_NAME, start_server
+from tests.app.conftest import MODEL_NAME
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -50,13 +50,8 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def random_client(default_model_dir, tiny_model_dir, tmp_path_factory):
-    """A tiny random-weight Llama with the embedded model's tokenizer and template: what it outputs is
-    noise, so what comes back valid, the grammar made valid."""
-    model_dir = tiny_model_dir("tiny-llama3", vocab_size=49152)[0]
-    s = start_server(model_dir, tmp_path_factory.mktemp("random") / "server.log", "--tokenizer", str(default_model_dir))
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    s.stop()
+def random_client(random_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=random_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 class Person(BaseModel):

@@ -219,7 +219,7 @@ def test_penalized_requests_draft_too(engines) -> None:
 
 # An array of like objects: its keys and punctuation repeat, which the lookups draft.
 TODO_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {
-    "type": "array", "minItems": 3, "maxItems": 4, "items": {
+    "type": "array", "minItems": 2, "maxItems": 3, "items": {
         "type": "object", "required": ["fruit", "ripe"],
         "properties": {"fruit": {"type": "string", "maxLength": 12}, "ripe": {"type": "boolean"}}}}}}
 
@@ -229,7 +229,7 @@ def test_the_grammar_masks_each_draft_row(engines) -> None:
     # the matcher takes only the tokens kept: outputs are those without speculation, and valid.
     base, spec = engines
     structured = StructuredOutput.json_schema(TODO_SCHEMA)
-    params = [SamplingParams(temperature=0.8, seed=9, max_tokens=160, structured=structured),
+    params = [SamplingParams(temperature=0.8, seed=9, max_tokens=120, structured=structured),
               SamplingParams(temperature=0, max_tokens=8, structured=StructuredOutput("regex", r"(ab){2,6}c"))]
     prompts = chats(LIST + " Answer in JSON.", "Write ababab then c.")
     before = spec.stats()
@@ -237,7 +237,7 @@ def test_the_grammar_masks_each_draft_row(engines) -> None:
     for a, b in zip(expected, got):
         assert_same(a, b)
     assert spec.stats().accepted_draft_tokens > before.accepted_draft_tokens
-    assert len(json.loads(got[0].text)["items"]) >= 3
+    assert len(json.loads(got[0].text)["items"]) >= 2
     assert spec.block_manager.num_used_blocks == 0
 
 
@@ -320,14 +320,14 @@ def test_draft_model_outputs_are_those_without_speculation(draft) -> None:
 
 
 def test_draft_model_outputs_on_the_embedded_model(default_model_dir, plain_outputs) -> None:
-    """The embedded model drafting for itself (a mechanics check: all drafts accepted), on the
-    shared prompts: greedy, seeded, n > 1 and a stop string."""
+    """The embedded model drafting for itself (a mechanics check: all drafts accepted), on two of the
+    shared prompts: seeded with logprobs, and a stop string (the tiny models' tests have the rest)."""
     spec = make_engine(default_model_dir, speculative_method="draft", speculative_model=str(default_model_dir),
                        num_speculative_tokens=4, speculative_max_batch=8)
-    got = spec.generate(PROMPTS, PARAMS)
-    for a, b in zip(plain_outputs, got):
+    got = spec.generate(PROMPTS[1::2], PARAMS[1::2])
+    for a, b in zip(plain_outputs[1::2], got):
         assert_same(a, b)
-    assert spec.stats().accepted_draft_tokens > 0 and got[3].samples[0].finish_reason == "stop"
+    assert spec.stats().accepted_draft_tokens > 0 and got[1].samples[0].finish_reason == "stop"
     assert_no_draft_block_held(spec)
 
 

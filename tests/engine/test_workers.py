@@ -29,9 +29,9 @@ def _config(size: int) -> EngineConfig:
 
 
 def _run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
-    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, logprobs=2)
-    forked = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2)  # copy-on-write blocks
+    greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, logprobs=2)
+    forked = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=8, logprobs=2)  # copy-on-write blocks
     long = " ".join(PROMPTS * 6)  # about 100 tokens: chunked; asked twice, the second hits the prefix cache
     prompts = PROMPTS + [long, long, PROMPTS[0], PROMPTS[2]]
     params = [greedy] * 3 + [greedy, greedy, seeded, forked]

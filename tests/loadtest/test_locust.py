@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.conftest import start_server
+from tests.app.conftest import Server
 
-pytestmark = pytest.mark.slow  # a server and six seconds of locust
+pytestmark = pytest.mark.slow  # six seconds of locust against the shared server
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
 
 
-def test_six_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
-    server = start_server(default_model_dir, tmp_path / "server.log")
+def test_six_second_smoke(server: Server, tmp_path: Path) -> None:
     # 4 users: the default ramp (a user every 30 s) must fit the 6 s. Short prompts and 8 tokens a
     # reply keep each request light on a busy machine, and --stop-timeout (a bound, not a wait) lets
     # every request started in the 6 s finish, so each one counts however slow the machine is.
@@ -27,10 +26,7 @@ def test_six_second_smoke(default_model_dir: Path, tmp_path: Path) -> None:
            "--host", server.url, "-u", "4", "-r", "4", "-t", "6s", "--prompt-mix", "short:1",
            "--max-tokens", "8", "--stop-timeout", "90", "--csv", "run", "--html", "report.html"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCUST_")}
-    try:
-        result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    finally:
-        server.stop()
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
 

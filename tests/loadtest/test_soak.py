@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.app.conftest import Server
-from tests.app.conftest import server  # noqa: F401  # the shared CPU server
 
 ROOT = Path(__file__).resolve().parents[2]
 SOAK = ROOT / "loadtest" / "soak.py"
@@ -31,7 +30,7 @@ def run_soak(url: str, out: Path, *flags: str) -> tuple[int, dict, str]:
 
 
 @pytest.mark.slow  # the shared server and 6 s of load
-def test_soak_of_the_real_server_passes(server: Server, tmp_path: Path) -> None:  # noqa: F811
+def test_soak_of_the_real_server_passes(server: Server, tmp_path: Path) -> None:
     rc, report, output = run_soak(server.url, tmp_path / "report.json", "--duration", "6s", "--concurrency", "4",
                                   "--max-tokens", "16", "--sample-every", "1")
     assert rc == 0, output
