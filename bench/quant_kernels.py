@@ -4,6 +4,7 @@ projection shapes, at decode row counts (M = 1 and 8).
     python3 bench/quant_kernels.py      # on the GPU machine: a few seconds
     python3 bench/quant_kernels.py --int4-one-row   # the INT4 one-row GEMV's tilings, as decode calls it
     python3 bench/quant_kernels.py --float-one-row  # the bf16 one-row GEMV's tilings, over distinct weights
+    python3 bench/quant_kernels.py --float-few-rows # the bf16 few-row kernel's tilings against cuBLAS
 
 With --int4-one-row, each projection runs as batch-1 decode calls it (QKV and gate/up scaling by
 the norm factor, gate/up storing SiLU·up, O and down ending in the add-norm epilogue) through the
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import float_linear as float_module  # noqa: E402
 from kernels import int4_linear as int4_module  # noqa: E402
+from kernels import split_k as split_k_module  # noqa: E402
 from kernels.dispatch import programmatic_launches  # noqa: E402
 from kernels.float_linear import float_linear, float_linear_add_norm  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
@@ -61,6 +63,12 @@ FLOAT_SHAPES = {
 # read ahead); None is gemv_config's own choice.
 FLOAT_TILINGS = (None, (16, 256, 2, 1), (16, 256, 2, 2), (8, 512, 2, 2), (8, 1024, 4, 1), (8, 1024, 4, 2),
                  (16, 1024, 4, 1), (8, 1024, 2, 1), (8, 2048, 8, 1), (4, 2048, 4, 1), (4, 1024, 2, 2))
+
+# The bf16 few-row kernel's tilings --float-few-rows times: (weight rows a program, bytes of a row a
+# K step, warps, pipeline stages, programs per SM the K split aims at); None is rows_config's own.
+FEW_ROWS_TILINGS = (None, (32, 256, 4, 3, 4), (128, 256, 4, 3, 4), (64, 512, 4, 3, 4), (64, 256, 4, 4, 4),
+                    (64, 256, 4, 3, 8), (32, 512, 4, 4, 8), (128, 512, 8, 3, 4), (64, 128, 4, 6, 8), (32, 256, 2, 4, 8))
+FEW_ROWS_BATCHES = (2, 8, 16)
 
 
 def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
@@ -162,6 +170,65 @@ def float_one_row_tilings(copies: int = 16) -> None:
             del weights
 
 
+@contextlib.contextmanager
+def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
+    """Decode batches up to FEW_ROWS on one path for a while: "cublas" is the engine's (cuBLAS and the
+    norm, SiLU·up and RoPE kernels), else the few-row kernel on this tiling (None: rows_config's)."""
+    saved = split_k_module.FUSED_ROWS, float_module.rows_config
+    if tiling != "cublas":
+        split_k_module.FUSED_ROWS = split_k_module.FEW_ROWS
+    if isinstance(tiling, tuple):
+        block_n, step, warps, stages, per_sm = tiling
+        float_module.rows_config = lambda out_features, in_features, element_size: dict(
+            BLOCK_N=block_n, BLOCK_K=step // element_size, num_warps=warps, num_stages=stages, per_sm=per_sm)
+    try:
+        yield
+    finally:
+        split_k_module.FUSED_ROWS, float_module.rows_config = saved
+
+
+def float_few_rows_tilings(copies: int = 16) -> None:
+    """Each 1B projection as a decode batch of M rows calls it over `copies` distinct weights, one CUDA
+    graph with PDL: cuBLAS with its separate epilogue kernels against the few-row kernel's tilings."""
+    torch.manual_seed(0)
+    labels = ["cuBLAS + kernels", "rows_config"] + ["{}x{}x{}x{}x{}".format(*t) for t in FEW_ROWS_TILINGS[1:]]
+    print(f"{torch.cuda.get_device_name()}: bf16 decode projections at M rows, µs a call (TB/s of weights), "
+          f"{copies} distinct weights in a CUDA graph; tiling rows x bytes a step x warps x stages x programs/SM\n")
+    print("| projection (K x N) | M | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    for name, (k, n) in FLOAT_SHAPES["llama-3.2-1b"].items():
+        if name == "lm_head":
+            continue
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        for m in FEW_ROWS_BATCHES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            norm_in = NormScale(torch.rand(m, 64, device="cuda") * k, 1e-5)
+            residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            norm_w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+
+            def call(name: str = name, fused: bool = True) -> torch.Tensor:
+                for w in weights:
+                    if name in ("o", "down"):  # cuBLAS, then the norm kernel; or the add-norm epilogue
+                        y = float_linear_add_norm(x, w, None, residual, norm_w, 1e-5)[0]
+                    else:  # the norm's factor: a kernel before cuBLAS (in o and down's column), or the epilogue's
+                        y = float_linear(x, w, silu_mul=name == "gate_up", norm_in=norm_in if fused else None)
+                return y
+            cells, first = [], None
+            for tiling in ("cublas", *FEW_ROWS_TILINGS):
+                with few_rows_tiling(tiling):
+                    if tiling == "cublas":
+                        us = graph_us(lambda: call(fused=False), calls=1, reps=20) / copies
+                        cells.append(f"{us:.2f} ({2 * n * k / us / 1e6:.2f})")
+                        continue
+                    out = call().float()
+                    first = out if first is None else first
+                    agrees = (out - first).norm() <= 2e-2 * first.norm()
+                    us = graph_us(call, calls=1, reps=20) / copies
+                    cells.append(f"{us:.2f} ({2 * n * k / us / 1e6:.2f})" + ("" if agrees else " differs!"))
+            print(f"| {name} ({k} x {n}) | {m} | " + " | ".join(cells) + " |", flush=True)
+        del weights
+
+
 def one_row_tilings() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
@@ -198,11 +265,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--int4-one-row", action="store_true", help="time the INT4 one-row kernels' tilings instead")
     p.add_argument("--float-one-row", action="store_true", help="time the bf16 one-row kernel's tilings instead")
+    p.add_argument("--float-few-rows", action="store_true", help="time the bf16 few-row kernel's tilings instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/quant_kernels.py needs a CUDA GPU")
     if args.float_one_row:
         float_one_row_tilings()
+        return
+    if args.float_few_rows:
+        float_few_rows_tilings()
         return
     if args.int4_one_row:
         one_row_tilings()

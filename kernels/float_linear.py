@@ -134,6 +134,12 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, split=True, AHEAD=2)
 
 
+def rows_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
+    """_float_rows_kernel's tiling: 64 weight rows a program, 256 bytes of each a K step, 4 warps,
+    split along K to about `per_sm` programs per SM (bench/quant_kernels.py --float-few-rows)."""
+    return dict(BLOCK_N=64, BLOCK_K=256 // element_size, num_warps=4, num_stages=3, per_sm=4)
+
+
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FUSED_ROWS: the few-row
     kernel), which have the epilogues: on Triton, a unit-stride weight."""
@@ -179,10 +185,11 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
         if q is None else q
-    block_n, block_k = 64, 256 // weight.element_size()
+    cfg = rows_config(out_features, in_features, weight.element_size())
+    block_n, block_k, per_sm = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("per_sm")
     paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
     tiles = triton.cdiv(out_features // 2 if paired else out_features, block_n // 2 if paired else block_n)
-    split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device)
+    split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device, per_sm)
     part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
@@ -191,7 +198,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
-        num_warps=4, **launch_options(pdl))
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 

@@ -329,12 +329,13 @@ def split_workspace(out: torch.Tensor, split_k: int, tiles: int, cols: int | Non
     return torch.empty(split_k, *shape, dtype=torch.float32, device=out.device), counts
 
 
-def split_k_for(rows: int, num_tiles: int, k_tiles: int, k: int, device: torch.device) -> tuple[int, int]:
+def split_k_for(rows: int, num_tiles: int, k_tiles: int, k: int, device: torch.device, per_sm: int = 4
+                ) -> tuple[int, int]:
     """(SPLIT_K, K tiles per split) for a grid of `num_tiles` output tiles over `k_tiles` K tiles:
-    enough splits that about four programs run per SM, while the float32 partials (written and read
+    enough splits that about `per_sm` programs run per SM, while the float32 partials (written and read
     back: 8 * SPLIT_K * rows bytes per column) stay under the weight bytes (k / 2 per column for int4,
     k for fp8, so k / 2 bounds both). Depends on shapes only, so a CUDA graph keeps it."""
-    wanted = triton.cdiv(4 * sm_count(device), num_tiles)
+    wanted = triton.cdiv(per_sm * sm_count(device), num_tiles)
     split_k = max(1, min(wanted, k // (16 * rows), k_tiles, 32))
     per_split = triton.cdiv(k_tiles, split_k)
     return triton.cdiv(k_tiles, per_split), per_split
