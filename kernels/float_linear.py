@@ -127,10 +127,10 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     of 2 warps, 256 bytes a step, two steps ahead, split along K up to ~8 programs per SM. The
     three measured fastest in bench/quant_kernels.py --float-one-row (docs/performance.md)."""
     if not large_tiling(out_features, in_features):
-        return dict(ROWS=4, BLOCK_K=min(4096 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
-                    split=False, AHEAD=1)
+        return dict(ROWS=4, BLOCK_K=min(2048 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
+                    split=True, AHEAD=1)
     if out_features >= in_features:
-        return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=4, split=True, AHEAD=1)
+        return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=2, split=True, AHEAD=1)
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, split=True, AHEAD=2)
 
 
