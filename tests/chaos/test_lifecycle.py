@@ -16,27 +16,10 @@ import httpx
 import pytest
 
 from engine.model_store import COMPLETE_MARKER, DEFAULT_DIR_NAME
+from tests import fast_conversion
 from tests.app.conftest import ROOT, Server, free_port, start_server
 from tests.app.test_shutdown import stream_chat
 from tests.chaos.common import assert_idle_and_serving, chat, wait_until
-
-# Loaded at start-up by every Python process of the server (PYTHONPATH): the embedded model's ~30 s
-# dequantization becomes symlinks to a finished conversion, so the test pays for the recovery only.
-FAST_CONVERSION = '''
-import os
-import shutil
-
-from engine import model_store
-
-
-def convert(target, progress):
-    tmp = target.parent / f".{target.name}.tmp-test"
-    shutil.copytree(os.environ["MINILLM_TEST_CONVERTED"], tmp, copy_function=os.symlink)
-    os.replace(tmp, target)
-
-
-model_store._convert = convert
-'''
 
 
 def refused(url: str) -> bool:
@@ -91,8 +74,8 @@ def recovered(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     orphan = models / f".{DEFAULT_DIR_NAME}.tmp-killed"
     orphan.mkdir()
     (orphan / "model.safetensors").write_bytes(b"\0" * 4096)
-    (root / "sitecustomize.py").write_text(FAST_CONVERSION)
-    env = {"MINILLM_MODELS_DIR": str(models), "MINILLM_TEST_CONVERTED": str(default_model_dir),
+    # Every Python process of the server loads the stand-in: the test pays for the recovery only.
+    env = {"MINILLM_MODELS_DIR": str(models), **fast_conversion.install(root, default_model_dir),
            "PYTHONPATH": os.pathsep.join(p for p in (str(root), str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     server = start_server(Path("default"), root / "server.log", env=env)
     yield server, models

@@ -18,6 +18,8 @@ from string import Template
 import pytest
 from packaging.requirements import Requirement
 
+from tests import fast_conversion
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 LOCK = ROOT / "docker" / "requirements.txt"
@@ -191,13 +193,14 @@ SYSTEM_STEPS = ("apt-get", "useradd")  # need Ubuntu and root; every other RUN r
 
 
 @pytest.mark.slow
-def test_install_steps(tmp_path: Path) -> None:
+def test_install_steps(tmp_path: Path, default_model_dir: Path) -> None:
     """The Dockerfile's own RUN steps, in order, with BAKE_MODEL=1.
 
     The pinned-dependency step runs with --dry-run for the image's Python and platform: the GBs of
     CUDA wheels would not fit a CPU test, and resolving is what can go wrong (a pin with no CPython
     3.12 wheel, a lock not closed under its dependencies). The bake then runs on the minillm that
-    the image's steps installed, over this venv's packages in place of that pinned layer."""
+    the image's steps installed, over this venv's packages in place of that pinned layer, with the
+    session's conversion standing in for its dequantizing (tests/fast_conversion.py)."""
     _, instructions = parse()
     image = Image(tmp_path / "image", instructions)
     image.env["BAKE_MODEL"] = "1"
@@ -216,6 +219,7 @@ def test_install_steps(tmp_path: Path) -> None:
                 [site] = Path(image.env["VIRTUAL_ENV"]).glob("lib/python*/site-packages")
                 # Appended to sys.path, so the image's own minillm still comes first.
                 (site / "deps.pth").write_text(_site_packages() + "\n")
+                image.env.update(fast_conversion.install(site, default_model_dir))
                 baked = True
             image.run(i.args)
 

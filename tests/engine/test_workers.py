@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
 
-def _config(size: int) -> EngineConfig:
-    # Small chunks: the long prompt is prefilled in several steps beside the others' decodes.
-    return EngineConfig(model="default", dtype="float32", tensor_parallel_size=size, kv_cache_memory="64MiB",
+def _config(model: Path, size: int) -> EngineConfig:
+    # Small chunks: the long prompt is prefilled in several steps beside the others' decodes. The
+    # session's conversion (not "default", which would convert it again in a fresh home directory).
+    return EngineConfig(model=str(model), dtype="float32", tensor_parallel_size=size, kv_cache_memory="64MiB",
                         max_num_batched_tokens=32)
 
 
@@ -41,9 +42,9 @@ def _run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.slow
 def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
-    one = LLMEngine(_config(1))
+    one = LLMEngine(_config(default_model_dir, 1))
     expected = _run(one)
-    two = LLMEngine(_config(2))
+    two = LLMEngine(_config(default_model_dir, 2))
     try:
         assert two.tp.size == 2 and two.runner.kv_cache.shape[4] == 2  # rank 0 holds 2 of the 3 KV heads
         # Each rank holds fewer KV heads, so the same memory holds more blocks.
@@ -64,7 +65,7 @@ def test_two_ranks_give_the_tokens_of_one(default_model_dir) -> None:
 ])
 def test_sizes_that_cannot_work_are_refused_first(default_model_dir, size, error, message) -> None:
     with pytest.raises(error, match=message):
-        LLMEngine(_config(size))
+        LLMEngine(_config(default_model_dir, size))
     assert not multiprocessing.active_children()
 
 
