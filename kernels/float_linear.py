@@ -121,11 +121,11 @@ def _float_rows_kernel(
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
     """_float_gemv_kernel's tiling by weight shape (kernels/split_k.py's large_tiling). A small weight
-    takes 4 rows a program of 4 warps, its whole rows (up to 4 KB each) loaded before the wait, no
-    split. A large wide one (gate/up: enough rows to fill the GPU unsplit) takes 8 rows a
-    program of 4 warps, 1 KB of each row a step; a large deep one (down: few rows, long K) 16 rows
-    of 2 warps, 256 bytes a step, two steps ahead, split along K up to ~8 programs per SM. The
-    three measured fastest in bench/quant_kernels.py --float-one-row (docs/performance.md)."""
+    takes 4 rows a program of 4 warps, 2 KB of each row a step (the first loaded before the wait); a
+    large wide one (gate/up: enough rows to fill the GPU unsplit) 8 rows a program of 2 warps, 1 KB
+    a step; a large deep one (down: few rows, long K) 16 rows of 2 warps, 256 bytes a step, two
+    steps ahead. Each is split along K where its rows leave SMs idle (gemv_split). Measured fastest
+    in bench/quant_kernels.py --float-one-row, then in the engine (docs/performance.md)."""
     if not large_tiling(out_features, in_features):
         return dict(ROWS=4, BLOCK_K=min(2048 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
                     split=True, AHEAD=1)
