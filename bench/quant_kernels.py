@@ -187,20 +187,21 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
         split_k_module.FUSED_ROWS, float_module.rows_config = saved
 
 
-def float_few_rows_tilings(copies: int = 16) -> None:
+def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
+                           batches: tuple[int, ...] = FEW_ROWS_BATCHES, copies: int = 16) -> None:
     """Each 1B projection as a decode batch of M rows calls it over `copies` distinct weights, one CUDA
     graph with PDL: cuBLAS with its separate epilogue kernels against the few-row kernel's tilings."""
     torch.manual_seed(0)
-    labels = ["cuBLAS + kernels", "rows_config"] + ["{}x{}x{}x{}x{}".format(*t) for t in FEW_ROWS_TILINGS[1:]]
+    labels = ["cuBLAS + kernels"] + ["rows_config" if t is None else "{}x{}x{}x{}x{}".format(*t) for t in tilings]
     print(f"{torch.cuda.get_device_name()}: bf16 decode projections at M rows, µs a call (TB/s of weights), "
           f"{copies} distinct weights in a CUDA graph; tiling rows x bytes a step x warps x stages x programs/SM\n")
     print("| projection (K x N) | M | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
     for name, (k, n) in FLOAT_SHAPES["llama-3.2-1b"].items():
-        if name == "lm_head":
+        if name not in projections:
             continue
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
-        for m in FEW_ROWS_BATCHES:
+        for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             norm_in = NormScale(torch.rand(m, 64, device="cuda") * k, 1e-5)
             residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -214,7 +215,7 @@ def float_few_rows_tilings(copies: int = 16) -> None:
                         y = float_linear(x, w, silu_mul=name == "gate_up", norm_in=norm_in if fused else None)
                 return y
             cells, first = [], None
-            for tiling in ("cublas", *FEW_ROWS_TILINGS):
+            for tiling in ("cublas", *tilings):
                 with few_rows_tiling(tiling):
                     if tiling == "cublas":
                         us = graph_us(lambda: call(fused=False), calls=1, reps=20) / copies
@@ -266,6 +267,9 @@ def main() -> None:
     p.add_argument("--int4-one-row", action="store_true", help="time the INT4 one-row kernels' tilings instead")
     p.add_argument("--float-one-row", action="store_true", help="time the bf16 one-row kernel's tilings instead")
     p.add_argument("--float-few-rows", action="store_true", help="time the bf16 few-row kernel's tilings instead")
+    p.add_argument("--tilings", help="--float-few-rows' tilings, e.g. 32x256x4x3x4,64x512x4x3x8 (default: a set)")
+    p.add_argument("--projections", default="qkv,o,gate_up,down", help="--float-few-rows' projections")
+    p.add_argument("--rows", default="2,8,16", help="--float-few-rows' batch rows")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/quant_kernels.py needs a CUDA GPU")
@@ -273,7 +277,9 @@ def main() -> None:
         float_one_row_tilings()
         return
     if args.float_few_rows:
-        float_few_rows_tilings()
+        tilings = (tuple(tuple(map(int, t.split("x"))) for t in args.tilings.split(",")) if args.tilings
+                   else FEW_ROWS_TILINGS)
+        float_few_rows_tilings(tilings, tuple(args.projections.split(",")), tuple(map(int, args.rows.split(","))))
         return
     if args.int4_one_row:
         one_row_tilings()
