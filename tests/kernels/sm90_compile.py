@@ -51,7 +51,9 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
         print(compiled[key], flush=True)
 
 
-def main() -> int:
+def main(shard: int = 0, shards: int = 1) -> int:
+    """Compile the decoder's kernels as the models of this shard launch them (every `shards`-th,
+    from `shard`; shard 0 also the decode attention's one-pass and split variants)."""
     import kernels.fp8_linear as fp8_linear  # imported before TRITON_INTERPRET is set: JITFunctions
     import kernels.split_k as split_k
     from bench.gpu import int4_checkpoint
@@ -73,22 +75,22 @@ def main() -> int:
         int4 = int4_checkpoint("tiny-llama3", 0, cpu, Path(tmp) / "int4")
         models = {"bf16": (RANDOM_PREFIX + "tiny-qwen2", None), "fp8": (RANDOM_PREFIX + "tiny-llama3", "fp8"),
                   "int4": (int4, None), "fp32": (RANDOM_PREFIX + "tiny-llama3", None)}
-        for name, (path, quantization) in models.items():
+        for name, (path, quantization) in list(models.items())[shard::shards]:
             model = load_model(path, torch.float32 if name == "fp32" else torch.bfloat16, cpu,
                                quantization=quantization)
             for large in (False, True):  # the one-row kernels' small and large weights' tilings
                 split_k.LARGE_TILING_MIN_WEIGHTS = 0 if large else 8 << 20
                 for prompt in ([7], [5, 7, 9], list(range(3, 40))):  # one row, a few rows, more (prefill)
                     prompt_logits(model, prompt)
-    # Decode attention in one pass (a batch that fills the GPU alone) and in splits, bf16.
-    q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
-    for splits in (1, 4):
-        decode_attention_triton(q, cache, cache, torch.zeros(2, 4, dtype=torch.int32),
-                                torch.tensor([5, 40], dtype=torch.int32), 0.125, splits)
+    if shard == 0:  # decode attention in one pass (a batch that fills the GPU alone) and in splits, bf16
+        q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+        cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+        for splits in (1, 4):
+            decode_attention_triton(q, cache, cache, torch.zeros(2, 4, dtype=torch.int32),
+                                    torch.tensor([5, 40], dtype=torch.int32), 0.125, splits)
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # [shard shards]: e.g. 0 2 and 1 2 in two processes side by side
+    sys.exit(main(*map(int, sys.argv[1:3])))
