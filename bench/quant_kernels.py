@@ -126,7 +126,7 @@ def float_tiling(tiling: tuple[int, int, int, int] | None):
     if tiling is not None:
         rows, step, warps, ahead = tiling
         float_module.gemv_config = lambda out_features, in_features, element_size: dict(
-            ROWS=rows, BLOCK_K=step // element_size, num_warps=warps, split=True, AHEAD=ahead)
+            ROWS=rows, BLOCK_K=step // element_size, num_warps=warps, AHEAD=ahead)
     try:
         yield
     finally:

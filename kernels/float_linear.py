@@ -128,10 +128,10 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     in bench/quant_kernels.py --float-one-row, then in the engine (docs/performance.md)."""
     if not large_tiling(out_features, in_features):
         return dict(ROWS=4, BLOCK_K=min(2048 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
-                    split=True, AHEAD=1)
+                    AHEAD=1)
     if out_features >= in_features:
-        return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=2, split=True, AHEAD=1)
-    return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, split=True, AHEAD=2)
+        return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=2, AHEAD=1)
+    return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
 def rows_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
@@ -156,12 +156,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     out_features, in_features = weight.shape
     outputs = out_features // 2 if silu_mul else out_features
     cfg = gemv_config(out_features, in_features, weight.element_size())
-    split = cfg.pop("split")
     paired = silu_mul or rope is not None  # a program's rows are ROWS / 2 pairs
     tiles = triton.cdiv(out_features // 2 if paired else out_features, cfg["ROWS"] // 2 if paired else cfg["ROWS"])
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(1, outputs, dtype=x.dtype, device=x.device) if q is None else q
-    split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device) if split else (1, in_features)
+    split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device)
     part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)

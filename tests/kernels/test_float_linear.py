@@ -47,10 +47,10 @@ def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, 
 def test_one_row_tiling_by_weight_size() -> None:
     # Llama-3.2-1B in bf16: QKV and O in small programs, 2 KB of a row a step; gate/up (wide) and
     # down (deep) in the large tilings.
-    assert gemv_config(3072, 2048, 2) == dict(ROWS=4, BLOCK_K=1024, num_warps=4, split=True, AHEAD=1)
+    assert gemv_config(3072, 2048, 2) == dict(ROWS=4, BLOCK_K=1024, num_warps=4, AHEAD=1)
     assert gemv_config(64, 160, 4)["BLOCK_K"] == 256 and gemv_config(896, 4864, 2)["BLOCK_K"] == 1024
-    assert gemv_config(16384, 2048, 2) == dict(ROWS=8, BLOCK_K=512, num_warps=2, split=True, AHEAD=1)
-    assert gemv_config(2048, 8192, 2) == dict(ROWS=16, BLOCK_K=128, num_warps=2, split=True, AHEAD=2)
+    assert gemv_config(16384, 2048, 2) == dict(ROWS=8, BLOCK_K=512, num_warps=2, AHEAD=1)
+    assert gemv_config(2048, 8192, 2) == dict(ROWS=16, BLOCK_K=128, num_warps=2, AHEAD=2)
 
 
 def test_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpreter, monkeypatch) -> None:
