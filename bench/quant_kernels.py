@@ -174,9 +174,8 @@ def float_one_row_tilings(copies: int = 16) -> None:
 def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     """Decode batches up to FEW_ROWS on one path for a while: "cublas" is the engine's (cuBLAS and the
     norm, SiLU·up and RoPE kernels), else the few-row kernel on this tiling (None: rows_config's)."""
-    saved = split_k_module.FUSED_ROWS, float_module.rows_config
-    if tiling != "cublas":
-        split_k_module.FUSED_ROWS = split_k_module.FEW_ROWS
+    saved = float_module.FLOAT_FUSED_ROWS, float_module.rows_config
+    float_module.FLOAT_FUSED_ROWS = 1 if tiling == "cublas" else split_k_module.FEW_ROWS
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
         float_module.rows_config = lambda out_features, in_features, element_size: dict(
@@ -184,7 +183,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     try:
         yield
     finally:
-        split_k_module.FUSED_ROWS, float_module.rows_config = saved
+        float_module.FLOAT_FUSED_ROWS, float_module.rows_config = saved
 
 
 def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),

@@ -4,9 +4,10 @@ quantized one-row kernels have (kernels/split_k.py): SiLU·up, the add-norm that
 norm to the next projection, that projection's scaled outputs, and RoPE with the KV write
 (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
-Against cuBLAS the kernels save more than their own time: they launch with PDL (the GEMV reads its
-first weights before the previous kernel ends), and their epilogues take the norm, SiLU·up and
-RoPE kernels of a decode layer with them (docs/performance.md).
+Against cuBLAS the kernels save more than their own time: their epilogues take the norm, SiLU·up and
+RoPE kernels of a decode layer with them, and the GEMV launches with PDL (it reads its first weights
+before the previous kernel ends). The few-row kernel launches plainly: with PDL its waiting programs
+held the SMs and slowed both it and the decode attention after it (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -134,16 +135,23 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
+# The most rows the float layers send through our kernels: the one-row GEMV only, until the few-row
+# kernel (launched plainly, at rows_config's tiling) is measured against cuBLAS in the engine at 2-16
+# rows (docs/performance.md, Leads); FEW_ROWS then.
+FLOAT_FUSED_ROWS = 1
+
+
 def rows_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
-    """_float_rows_kernel's tiling: 64 weight rows a program, 256 bytes of each a K step, 4 warps,
-    split along K to about `per_sm` programs per SM (bench/quant_kernels.py --float-few-rows)."""
-    return dict(BLOCK_N=64, BLOCK_K=256 // element_size, num_warps=4, num_stages=3, per_sm=4)
+    """_float_rows_kernel's tiling: 32 weight rows a program, 256 bytes of each a K step, 4 warps,
+    3 stages, split along K to about `per_sm` programs per SM (the fastest of 35 tilings at 8 rows in
+    bench/quant_kernels.py --float-few-rows)."""
+    return dict(BLOCK_N=32, BLOCK_K=256 // element_size, num_warps=4, num_stages=3, per_sm=2)
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FUSED_ROWS: the few-row
-    kernel), which have the epilogues: on Triton, a unit-stride weight."""
-    return use_triton(x) and few_rows(x) and weight.stride(1) == 1
+    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FLOAT_FUSED_ROWS: the
+    few-row kernel), which have the epilogues: on Triton, a unit-stride weight."""
+    return use_triton(x) and few_rows(x, FLOAT_FUSED_ROWS) and weight.stride(1) == 1
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
@@ -191,13 +199,13 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device, per_sm)
     part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
-    pdl = programmatic_launch(x)
+    # Launched plainly, never with PDL (see the module's docstring).
     _float_rows_kernel[(tiles, split_k)](
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
-        **cfg, **launch_options(pdl))
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=False,
+        **cfg)
     return out, residual_out, sumsq
 
 
@@ -205,7 +213,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  norm_in: NormScale | None = None) -> torch.Tensor:
     """y = x @ W.T + bias; with silu_mul (a merged gate/up weight) SiLU(gate) * up [..., N / 2].
     norm_in: x's rows are still to be normalized (an add-norm epilogue's output), whose factors our
-    kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FUSED_ROWS rows on
+    kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FLOAT_FUSED_ROWS rows on
     Triton (fused_rows), else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
     if fused_rows(x, weight):
         out, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, silu_mul, norm_in, None)
@@ -231,7 +239,7 @@ def float_linear_add_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def float_linear_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_in: NormScale | None,
                          rope: RopeKV) -> torch.Tensor:
     """A merged QKV projection, then RoPE and the KV write (kernels/rope.py's rope_store_kv): the
-    rotated q [tokens, heads, head_dim]. Up to FUSED_ROWS rows on Triton, one kernel with
+    rotated q [tokens, heads, head_dim]. Up to FLOAT_FUSED_ROWS rows on Triton, one kernel with
     store_rope_kv as its epilogue; elsewhere the projection, then rope_store_kv."""
     if fused_rows(x, weight) and rope.head_dim % 2 == 0:
         q, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, False, norm_in, None, rope)

@@ -21,14 +21,17 @@ LARGE_TILING_MIN_WEIGHTS = 8 << 20
 # The most rows the few-row kernels take: all rows in one 16-row tensor-core tile, with the one-row
 # kernels' epilogues per row.
 FEW_ROWS = 16
-# The rows the linear layers send through the epilogue kernels: the one-row GEMVs only, as the few-row
-# kernels measured slower than cuBLAS plus the separate norm and RoPE kernels (docs/performance.md).
+# The most rows the FP8 and INT4 layers send through the epilogue kernels: the one-row GEMVs only, as
+# their few-row kernels measured slower than the tile GEMM plus the separate norm and RoPE kernels
+# (float weights take more: kernels/float_linear.py's FLOAT_FUSED_ROWS; docs/performance.md).
 FUSED_ROWS = 1
 
 
-def few_rows(x: torch.Tensor) -> bool:
-    """Whether x [..., K] has 1 to FUSED_ROWS rows: the rows the linear kernels' epilogues take."""
-    return x.shape[-1] > 0 and 1 <= x.numel() // x.shape[-1] <= FUSED_ROWS
+def few_rows(x: torch.Tensor, most: int | None = None) -> bool:
+    """Whether x [..., K] has 1 to `most` (default FUSED_ROWS) rows: the rows the linear kernels'
+    epilogues take."""
+    most = FUSED_ROWS if most is None else most
+    return x.shape[-1] > 0 and 1 <= x.numel() // x.shape[-1] <= most
 
 
 @triton.jit

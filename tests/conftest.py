@@ -42,10 +42,12 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def few_row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Send up to FEW_ROWS rows through the few-row epilogue kernels, which the linear layers use only
-    up to split_k.FUSED_ROWS (one row), so that those kernels stay under test."""
-    from kernels import split_k
+    up to split_k.FUSED_ROWS and float_linear.FLOAT_FUSED_ROWS (one row), so that those kernels stay
+    under test."""
+    from kernels import float_linear, split_k
 
     monkeypatch.setattr(split_k, "FUSED_ROWS", split_k.FEW_ROWS)
+    monkeypatch.setattr(float_linear, "FLOAT_FUSED_ROWS", split_k.FEW_ROWS)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
 from kernels.dispatch import folds_norms, use_triton
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, fused_rows
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
@@ -31,16 +31,21 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 class Projection(nn.Module):
     """What the decoder calls on a linear layer of any format: forward(x, silu_mul=False,
     norm_in=None), where norm_in (a NormScale) means x's rows are still to be normalized by their
-    factors, add_norm and rope_store_kv. Up to FUSED_ROWS rows (decode batches) the format's own
-    kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
+    factors, add_norm and rope_store_kv. Where fuses(x) (decode batches of a few rows) the format's
+    own kernels take the norm after the projection, or RoPE and the KV write, into their epilogues."""
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go through the format's epilogue kernels: on Triton, up to
+        kernels/split_k.py's FUSED_ROWS."""
+        return use_triton(x) and few_rows(x)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
-        or, up to FUSED_ROWS rows where norms fold (kernels/dispatch.py's folds_norms), the format's
+        or, where fuses(x) and norms fold (kernels/dispatch.py's folds_norms), the format's
         kernel with the norm in its epilogue, the rows left for the next projection to finish
         (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
-        if folds_norms(x) and few_rows(x):
+        if folds_norms(x) and self.fuses(x):
             return self.folded_add_norm(x, residual, norm_weight, eps)
         return (*rms_norm(self(x), norm_weight, eps, residual), None)  # self(x): forward hooks see it
 
@@ -50,9 +55,8 @@ class Projection(nn.Module):
 
     def rope_store_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         """This merged QKV projection of x, then RoPE and the KV write (kernels/rope.py): the rotated
-        q [tokens, heads, head_dim]; up to FUSED_ROWS rows on Triton, the format's kernel with both in
-        its epilogue."""
-        if use_triton(x) and few_rows(x):
+        q [tokens, heads, head_dim]; where fuses(x), the format's kernel with both in its epilogue."""
+        if self.fuses(x):
             return self.fused_rope_kv(x, norm_in, rope)
         return rope_store_qkv(self(x, norm_in=norm_in), rope)  # self(x): forward hooks see it
 
@@ -72,6 +76,9 @@ class Linear(Projection):
     def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         """x W^T + b; with silu_mul (a merged gate/up layer), SiLU(gate) * up over its two halves."""
         return float_linear(x, self.weight, self.bias, silu_mul, norm_in)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        return fused_rows(x, self.weight)  # up to kernels/float_linear.py's FLOAT_FUSED_ROWS
 
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:

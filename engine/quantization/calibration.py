@@ -56,7 +56,7 @@ def _layer_by_layer(model: DecoderModel, sequences: list[list[int]], what: str, 
     (feed_changed) or from before it."""
     batch = pack_sequences(model, sequences, num_layers=1)  # one layer's KV at a time
     # The torch references: no projection takes its norm or RoPE into its kernel, so the hooks below
-    # see every projection's input (the fused kernels would, up to FUSED_ROWS rows on Triton).
+    # see every projection's input (the fused kernels would, up to a few rows on Triton).
     with _flush_denormals(), reference_kernels():
         eps = model.cfg.rms_norm_eps
         hidden, residual = rms_norm(model.embed_tokens(batch.input_ids), model.layers[0].input_layernorm, eps)

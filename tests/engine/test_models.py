@@ -63,8 +63,8 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
 def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
                                                                     shape: str) -> None:
-    """Up to FUSED_ROWS tokens (and FEW_ROWS, when the few-row kernels take them) through a float model
-    on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the projections'
+    """Up to FLOAT_FUSED_ROWS tokens (and FEW_ROWS, when the few-row kernel takes them) through a float
+    model on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the projections'
     epilogues and scaled outputs do the rest. The logits are the unfolded path's and transformers';
     more rows take cuBLAS and the kernels apart."""
     import kernels.rmsnorm as rmsnorm
@@ -72,7 +72,7 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
     from kernels.dispatch import unfolded_norms
-    from kernels import split_k
+    from kernels import float_linear
     from kernels.split_k import FEW_ROWS
 
     path, hf = tiny_model_dir(shape)
@@ -100,7 +100,7 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
         apart, counts = run([7])
     assert counts == {"norm": 2 * layers + 1, "rope": 0}
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
-    assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers}  # past FUSED_ROWS: cuBLAS
-    monkeypatch.setattr(split_k, "FUSED_ROWS", FEW_ROWS)
+    assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers}  # past FLOAT_FUSED_ROWS: cuBLAS
+    monkeypatch.setattr(float_linear, "FLOAT_FUSED_ROWS", FEW_ROWS)
     assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0}  # the few-row kernel
     assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers}

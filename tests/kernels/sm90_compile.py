@@ -54,6 +54,7 @@ def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
 def main(shard: int = 0, shards: int = 1) -> int:
     """Compile the decoder's kernels as the models of this shard launch them (every `shards`-th,
     from `shard`; shard 0 also the decode attention's one-pass and split variants)."""
+    import kernels.float_linear as float_linear
     import kernels.fp8_linear as fp8_linear  # imported before TRITON_INTERPRET is set: JITFunctions
     import kernels.split_k as split_k
     from bench.gpu import int4_checkpoint
@@ -61,7 +62,8 @@ def main(shard: int = 0, shards: int = 1) -> int:
     from engine.packed_prefill import prompt_logits
     from kernels.decode_attention import decode_attention_triton
 
-    split_k.FUSED_ROWS = split_k.FEW_ROWS  # the few-row kernels too, which the layers leave to cuBLAS for now
+    # The few-row kernels too, which the layers leave to cuBLAS for now.
+    split_k.FUSED_ROWS = float_linear.FLOAT_FUSED_ROWS = split_k.FEW_ROWS
 
     JITFunction.run = compile_instead
     os.environ["TRITON_INTERPRET"] = "1"  # use_triton() sends CPU tensors to the (compiled-instead) kernels

@@ -34,3 +34,4 @@ def test_the_layers_fuse_epilogues_into_one_row_only() -> None:
     assert few_rows(torch.empty(1, 64)) and few_rows(torch.empty(1, 1, 64))
     assert not few_rows(torch.empty(2, 64)) and not few_rows(torch.empty(FEW_ROWS, 64))
     assert not few_rows(torch.empty(0, 64))
+    assert few_rows(torch.empty(FEW_ROWS, 64), FEW_ROWS) and not few_rows(torch.empty(FEW_ROWS + 1, 64), FEW_ROWS)
