@@ -226,7 +226,11 @@ def _load_gguf(gguf: Path, progress: bool) -> tuple[PreTrainedModel, PreTrainedT
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:
-        raise ModelLoadError(f"could not read {gguf} with transformers: {e}") from e
+        hint = ""
+        if "from 'kernels'" in str(e):  # transformers >= 5.25 imports the PyPI package of that name
+            hint = ("; the PyPI package `kernels` shares its import name with minillm's kernels/ package: "
+                    "pip uninstall kernels (minillm needs transformers below 5.25, which do not require it)")
+        raise ModelLoadError(f"could not read {gguf} with transformers: {e}{hint}") from e
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()

@@ -99,6 +99,16 @@ def test_wrong_checksum_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert [p.name for p in tmp_path.iterdir()] == ["default.lock"]
 
 
+def test_the_kernels_package_clash_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers >= 5.25 imports the PyPI package `kernels`, whose name our kernels/ package takes.
+    def clash(*args, **kwargs):
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/src/kernels/__init__.py)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", clash)
+    with pytest.raises(ModelLoadError, match="pip uninstall kernels"):
+        model_store._load_gguf(tmp_path / "model.gguf", progress=False)
+
+
 def test_a_directory_we_did_not_write_is_not_taken_or_deleted(tmp_path: Path) -> None:
     target = tmp_path / "default"
     target.mkdir()
