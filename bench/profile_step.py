@@ -7,6 +7,7 @@ whose host work outlasts its kernels is launch-bound). Not a benchmark of record
     python3 bench/profile_step.py --batches 1 --quantization int4 --host-profile   # an RTN checkpoint of the shape
     python3 bench/profile_step.py --batches --prefill 128 2048 --host-profile
     python3 bench/profile_step.py --batches 1 8 64 --drafts 4   # a verify step (k drafts each) against a decode
+    python3 bench/profile_step.py --model random:smollm2-135m --dtype float32 --batches 1 --drafts 4
     MINILLM_PDL=0 python3 bench/profile_step.py ...   # kernels one after another: with PDL each starts early and its time includes the wait
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.loader import RANDOM_PREFIX  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.speculative import DraftState  # noqa: E402
+from engine.speculative import DraftState, Proposer  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     args = parser.parse_args()
     model, quantization = args.model, args.quantization
     tmp = tempfile.TemporaryDirectory()
@@ -52,11 +54,14 @@ def main() -> None:
                                                   Path(tmp.name))), None
     spec = dict(speculative_method="ngram", num_speculative_tokens=args.drafts,
                 speculative_max_batch=max(args.batches, default=1)) if args.drafts else {}
-    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="8GiB", max_num_seqs=max(args.batches, default=1),
-                                    quantization=quantization, **spec))
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory="8GiB",
+                                    max_num_seqs=max(args.batches, default=1), quantization=quantization, **spec))
+    graph_hits: list[bool] = []  # per verify step: whether it replayed a prefill graph (else: eager)
     if args.drafts:  # the cost of verifying k drafts, not their luck: k every step, never backing off
         engine.scheduler.proposer = FixedDrafts(args.drafts)
         DraftState.record = lambda self, drafted, confirmed, most: None
+        find = engine.runner._prefill_graph_for
+        engine.runner._prefill_graph_for = lambda step, prev: graph_hits.append((g := find(step, prev)) is not None) or g
     engine.warm_up()
     for batch in args.batches:
         # Timed steps, then profiled ones; a verify step may emit all its drafts.
@@ -83,7 +88,17 @@ def main() -> None:
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
             host_report = text.getvalue()
         if args.drafts:  # verify steps replay prefill graphs, or run eagerly: no decode graph to time alone
-            print(f"\nbatch {batch}, {args.drafts} drafts a sequence: engine step {step_ms:.3f} ms")
+            graph_hits.clear()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    engine.step()
+                torch.cuda.synchronize()
+            averages = prof.key_averages()
+            launches = sum(e.count for e in averages) / 5
+            device_ms = sum(e.device_time_total for e in averages) / 5 / 1000
+            print(f"\nbatch {batch}, {args.drafts} drafts a sequence: engine step {step_ms:.3f} ms, device work "
+                  f"{device_ms:.3f} ms in {launches:.0f} launches a step; {sum(graph_hits)} of {len(graph_hits)} "
+                  f"steps replayed a prefill graph")
             print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
             for request_id in list(engine.requests):
                 engine.abort(request_id)
@@ -116,7 +131,7 @@ def main() -> None:
         profile_prefill(engine, length, args.host_profile)
 
 
-class FixedDrafts:
+class FixedDrafts(Proposer):
     """Proposes `num_tokens` drafts for every decode (the sequence's last token repeated)."""
 
     def __init__(self, num_tokens: int) -> None:
