@@ -178,7 +178,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     float_module.FLOAT_FUSED_ROWS = 1 if tiling == "cublas" else split_k_module.FEW_ROWS
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
-        float_module.rows_config = lambda out_features, in_features, element_size: dict(
+        float_module.rows_config = lambda element_size: dict(
             BLOCK_N=block_n, BLOCK_K=step // element_size, num_warps=warps, num_stages=stages, per_sm=per_sm)
     try:
         yield

@@ -89,7 +89,7 @@ def _float_rows_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
@@ -98,7 +98,6 @@ def _float_rows_kernel(
     m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
         1, True, SILU_MUL, ROPE, HALF)
-    wait_for_previous_kernel(PDL)
     k_begin = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + k_tiles_per_split * BLOCK_K, K)
     ks = tl.arange(0, BLOCK_K)
@@ -141,7 +140,7 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
 FLOAT_FUSED_ROWS = 1
 
 
-def rows_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
+def rows_config(element_size: int) -> dict[str, int]:
     """_float_rows_kernel's tiling: 32 weight rows a program, 256 bytes of each a K step, 4 warps,
     3 stages, split along K to about `per_sm` programs per SM (the fastest of 35 tilings at 8 rows in
     bench/quant_kernels.py --float-few-rows)."""
@@ -192,20 +191,18 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
         if q is None else q
-    cfg = rows_config(out_features, in_features, weight.element_size())
+    cfg = rows_config(weight.element_size())
     block_n, block_k, per_sm = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("per_sm")
     paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
     tiles = triton.cdiv(out_features // 2 if paired else out_features, block_n // 2 if paired else block_n)
     split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device, per_sm)
     part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
-    # Launched plainly, never with PDL (see the module's docstring).
     _float_rows_kernel[(tiles, split_k)](
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=False,
-        **cfg)
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, **cfg)
     return out, residual_out, sumsq
 
 
