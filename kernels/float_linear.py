@@ -20,7 +20,7 @@ from kernels import activation
 from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs, norm_arguments,
+from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs, norm_arguments,
                              norm_factor, one_row_outputs, split_k_for, split_workspace, store_matmul_outputs,
                              store_one_row_outputs)
 
@@ -134,10 +134,10 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
-# The most rows the float layers send through our kernels: the one-row GEMV only, until the few-row
-# kernel (launched plainly, at rows_config's tiling) is measured against cuBLAS in the engine at 2-16
-# rows (docs/performance.md, Leads); FEW_ROWS then.
-FLOAT_FUSED_ROWS = 1
+# The most rows the float layers send through our kernels (the few-row one launched plainly, at
+# rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows in the engine
+# (docs/performance.md, What helped).
+FLOAT_FUSED_ROWS = FEW_ROWS
 
 
 def rows_config(element_size: int) -> dict[str, int]:
