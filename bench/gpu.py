@@ -494,7 +494,8 @@ def bench_minillm(bench: Bench, shape: str, floor: Floor | None) -> list[int] | 
 def _engine(args: argparse.Namespace, device: torch.device, model: str, quantization: str | None = None) -> LLMEngine:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=str(device), weights_seed=args.seed,
-                                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
+                                    kv_cache_memory=args.kv_cache_memory,
+                                    max_num_seqs=max([*args.batches, *args.quant_batches]),  # the quantized runs too
                                     quantization=quantization))
     engine.warm_up()
     return engine
