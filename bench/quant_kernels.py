@@ -175,7 +175,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     """Decode batches up to FEW_ROWS on one path for a while: "cublas" is the engine's (cuBLAS and the
     norm, SiLU·up and RoPE kernels), else the few-row kernel on this tiling (None: rows_config's)."""
     saved = float_module.FLOAT_FUSED_ROWS, float_module.rows_config
-    float_module.FLOAT_FUSED_ROWS = 1 if tiling == "cublas" else split_k_module.FEW_ROWS
+    float_module.FLOAT_FUSED_ROWS = dict.fromkeys(saved[0], 1 if tiling == "cublas" else split_k_module.FEW_ROWS)
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
         float_module.rows_config = lambda element_size: dict(

@@ -134,10 +134,11 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
-# The most rows the float layers send through our kernels (the few-row one launched plainly, at
-# rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows in the engine
-# (docs/performance.md, What helped).
-FLOAT_FUSED_ROWS = FEW_ROWS
+# By dtype, the most rows the float layers send through our kernels (the few-row one launched
+# plainly, at rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows of bf16
+# in the engine (docs/performance.md, What helped). float32's tensor-core dots are exact (IEEE) and
+# 2-3x slower than cuBLAS at a few rows: it takes the one-row GEMV only.
+FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.float16: FEW_ROWS, torch.float32: 1}
 
 
 def rows_config(element_size: int) -> dict[str, int]:
@@ -148,9 +149,9 @@ def rows_config(element_size: int) -> dict[str, int]:
 
 
 def fused_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FLOAT_FUSED_ROWS: the
-    few-row kernel), which have the epilogues: on Triton, a unit-stride weight."""
-    return use_triton(x) and few_rows(x, FLOAT_FUSED_ROWS) and weight.stride(1) == 1
+    """Whether x [..., K] goes through our kernels (one row: the GEMV; up to FLOAT_FUSED_ROWS of its
+    dtype: the few-row kernel), which have the epilogues: on Triton, a unit-stride weight."""
+    return use_triton(x) and few_rows(x, FLOAT_FUSED_ROWS.get(x.dtype, 1)) and weight.stride(1) == 1
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,

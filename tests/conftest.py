@@ -41,13 +41,13 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def few_row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Send up to FEW_ROWS rows through the few-row epilogue kernels, which the linear layers use only
-    up to split_k.FUSED_ROWS and float_linear.FLOAT_FUSED_ROWS (one row), so that those kernels stay
-    under test."""
+    """Send up to FEW_ROWS rows of every dtype through the few-row epilogue kernels, which the linear
+    layers use only up to split_k.FUSED_ROWS and float_linear.FLOAT_FUSED_ROWS (one row for FP8, INT4
+    and float32 weights), so that those kernels stay under test."""
     from kernels import float_linear, split_k
 
     monkeypatch.setattr(split_k, "FUSED_ROWS", split_k.FEW_ROWS)
-    monkeypatch.setattr(float_linear, "FLOAT_FUSED_ROWS", split_k.FEW_ROWS)
+    monkeypatch.setattr(float_linear, "FLOAT_FUSED_ROWS", dict.fromkeys(float_linear.FLOAT_FUSED_ROWS, split_k.FEW_ROWS))
 
 
 @pytest.fixture(scope="session")

@@ -63,10 +63,10 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
 def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
                                                                     shape: str) -> None:
-    """Up to FLOAT_FUSED_ROWS tokens (and FEW_ROWS, when the few-row kernel takes them) through a float
-    model on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the projections'
-    epilogues and scaled outputs do the rest. The logits are the unfolded path's and transformers';
-    more rows take cuBLAS and the kernels apart."""
+    """Up to FLOAT_FUSED_ROWS tokens (one for float32; FEW_ROWS when the few-row kernel takes them)
+    through a float model on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the
+    projections' epilogues and scaled outputs do the rest. The logits are the unfolded path's and
+    transformers'; more rows take cuBLAS and the kernels apart."""
     import kernels.rmsnorm as rmsnorm
     import kernels.rope as rope
     from engine.loader import load_model
@@ -101,6 +101,6 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
     assert counts == {"norm": 2 * layers + 1, "rope": 0}
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
     assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers}  # past FLOAT_FUSED_ROWS: cuBLAS
-    monkeypatch.setattr(float_linear, "FLOAT_FUSED_ROWS", FEW_ROWS)
+    monkeypatch.setitem(float_linear.FLOAT_FUSED_ROWS, torch.float32, FEW_ROWS)
     assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0}  # the few-row kernel
     assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers}

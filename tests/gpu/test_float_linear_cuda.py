@@ -13,7 +13,7 @@ from tests.gpu.test_kernels_cuda import rel_err
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
-# Rows 2 to FEW_ROWS go through the few-row kernel here, as the layers do not send them (FLOAT_FUSED_ROWS).
+# Rows 2 to FEW_ROWS go through the few-row kernel here in every dtype (the layers send float32 one row).
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("few_row_kernels")]
 

@@ -62,8 +62,9 @@ def main(shard: int = 0, shards: int = 1) -> int:
     from engine.packed_prefill import prompt_logits
     from kernels.decode_attention import decode_attention_triton
 
-    # The few-row kernels too, which the layers leave to cuBLAS for now.
-    split_k.FUSED_ROWS = float_linear.FLOAT_FUSED_ROWS = split_k.FEW_ROWS
+    # The few-row kernels too, which the layers leave to cuBLAS for FP8, INT4 and float32.
+    split_k.FUSED_ROWS = split_k.FEW_ROWS
+    float_linear.FLOAT_FUSED_ROWS = dict.fromkeys(float_linear.FLOAT_FUSED_ROWS, split_k.FEW_ROWS)
 
     JITFunction.run = compile_instead
     os.environ["TRITON_INTERPRET"] = "1"  # use_triton() sends CPU tensors to the (compiled-instead) kernels

@@ -16,7 +16,7 @@ from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
-# Rows 2 to FEW_ROWS go through the few-row kernel here, as the layers do not send them (FLOAT_FUSED_ROWS).
+# Rows 2 to FEW_ROWS go through the few-row kernel here in every dtype (the layers send float32 one row).
 pytestmark = pytest.mark.usefixtures("few_row_kernels")
 
 DTYPES = [torch.float32, torch.float16]
