@@ -31,6 +31,7 @@ from bench.gpu import int4_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.loader import RANDOM_PREFIX  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import StepInputs  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.speculative import DraftState, Proposer  # noqa: E402
 
@@ -56,12 +57,18 @@ def main() -> None:
                 speculative_max_batch=max(args.batches, default=1)) if args.drafts else {}
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, kv_cache_memory="8GiB",
                                     max_num_seqs=max(args.batches, default=1), quantization=quantization, **spec))
-    graph_hits: list[bool] = []  # per verify step: whether it replayed a prefill graph (else: eager)
+    runs: list[str] = []  # per verify step: the graph it replayed, or eager
     if args.drafts:  # the cost of verifying k drafts, not their luck: k every step, never backing off
         engine.scheduler.proposer = FixedDrafts(args.drafts)
         DraftState.record = lambda self, drafted, confirmed, most: None
-        find = engine.runner._prefill_graph_for
-        engine.runner._prefill_graph_for = lambda step, prev: graph_hits.append((g := find(step, prev)) is not None) or g
+        runner = engine.runner
+        forward, find = runner.forward, runner._prefill_graph_for
+
+        def traced(step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+            runs.append(f"decode graph {step.graph_batch}" if step.graph_batch is not None
+                        else "prefill graph" if find(step, prev) is not None else "eager")
+            return forward(step, prev)
+        runner.forward = traced
     engine.warm_up()
     for batch in args.batches:
         # Timed steps, then profiled ones; a verify step may emit all its drafts.
@@ -87,8 +94,8 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
             host_report = text.getvalue()
-        if args.drafts:  # verify steps replay prefill graphs, or run eagerly: no decode graph to time alone
-            graph_hits.clear()
+        if args.drafts:  # a verify step's graph also depends on its rows: the whole step is timed
+            runs.clear()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     engine.step()
@@ -96,9 +103,10 @@ def main() -> None:
             averages = prof.key_averages()
             launches = sum(e.count for e in averages) / 5
             device_ms = sum(e.device_time_total for e in averages) / 5 / 1000
+            ran = ", ".join(f"{runs.count(r)} x {r}" for r in sorted(set(runs)))
             print(f"\nbatch {batch}, {args.drafts} drafts a sequence: engine step {step_ms:.3f} ms, device work "
-                  f"{device_ms:.3f} ms in {launches:.0f} launches a step; {sum(graph_hits)} of {len(graph_hits)} "
-                  f"steps replayed a prefill graph")
+                  f"{device_ms:.3f} ms in {launches:.0f} launches a step; ran as {ran}")
+            print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))
             print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
             for request_id in list(engine.requests):
                 engine.abort(request_id)

@@ -18,6 +18,7 @@ from engine.model_store import resolve_model
 from engine.models.llama import DecoderModel
 from engine.models.sharding import ModelShard
 from engine.packed_prefill import pack_sequences
+from engine.speculative import max_batch
 
 log = logging.getLogger("minillm.engine")
 
@@ -107,7 +108,21 @@ def context_length(config: EngineConfig, model: DecoderModel, num_blocks: int) -
     return min(config.max_model_len or model.cfg.max_position_embeddings, num_blocks * config.block_size)
 
 
+def draft_batch(config: EngineConfig, device: torch.device) -> int:
+    """Running sequences up to which steps carry drafts (--speculative-max-batch, else by device)."""
+    return config.speculative_max_batch or max_batch(device.type)
+
+
+def decode_rows(config: EngineConfig, device: torch.device) -> int:
+    """The most decode rows a step has: a row a sequence, and with speculation a verify step's row a token."""
+    if config.speculative_method is None:
+        return config.max_num_seqs
+    drafting = min(config.max_num_seqs, draft_batch(config, device))
+    return max(config.max_num_seqs, drafting * (1 + config.num_speculative_tokens))
+
+
 def build_runner(config: EngineConfig, model: DecoderModel, num_blocks: int, sample_vocab_size: int | None = None,
                  publish: Callable[[StepInputs], None] | None = None) -> ModelRunner:
     return ModelRunner(model, num_blocks, config.block_size, context_length(config, model, num_blocks),
-                       config.max_num_seqs, config.cuda_graphs, sample_vocab_size, publish, config.batched_tokens())
+                       decode_rows(config, model.embed_tokens.weight.device), config.cuda_graphs, sample_vocab_size,
+                       publish, config.batched_tokens())

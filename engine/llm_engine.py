@@ -22,11 +22,11 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer, accepted, max_batch
+from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer, accepted
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
-from engine.builder import build_runner, context_length, kv_cache_blocks, load_draft, load_shard, model_source
+from engine.builder import build_runner, context_length, draft_batch, kv_cache_blocks, load_draft, load_shard, model_source
 from engine.draft_model import DraftModelProposer
 from engine.workers import start_tensor_parallel
 
@@ -103,8 +103,7 @@ class LLMEngine:
             self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
-                                       self._proposer(draft, num_blocks),
-                                       config.speculative_max_batch or max_batch(device.type))
+                                       self._proposer(draft, num_blocks), draft_batch(config, device))
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)

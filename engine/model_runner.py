@@ -1,9 +1,10 @@
 """Runs one scheduled step on the device: batch inputs, the forward over the paged KV cache, sampling.
 
 On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
-8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. Steps with
-prefill chunks or drafts replay a prefill graph padded to the next of PREFILL_GRAPH_TOKENS where
-they fit one, else run eagerly.
+8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. A step whose
+sequences all decode, some with drafts (a verify step), is laid out as decode rows, a row per token,
+so it replays them too. Steps with prefill chunks replay a prefill graph padded to the next of
+PREFILL_GRAPH_TOKENS where they fit one, else run eagerly.
 
 Nothing here waits for the device. A step is launched while the previous one still runs, so its
 input ids may be placeholders (see engine.sequence.placeholder) for tokens that the previous
@@ -81,20 +82,24 @@ class _DecodeGraph:
     def __init__(self, runner: "ModelRunner", batch: int, pool: object) -> None:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
-        # Input ids (placeholders included), positions, slots and lengths: one buffer, one copy a step.
-        self.inputs = torch.zeros(4, batch, dtype=torch.int64, device=dev)
+        # Input ids (placeholders included), positions, slots, lengths and each row's first key written
+        # this step: one buffer, one copy a step.
+        self.inputs = torch.zeros(5, batch, dtype=torch.int64, device=dev)
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
-        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)  # inputs[3] as int32, inside the graph
+        # inputs[3:] as int32, inside the graph
+        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
+        self.fresh = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
         self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
-                                                       runner.model.num_kv_heads)
+                                                       runner.model.num_kv_heads, self.fresh)
         model, kv = runner.model, runner.kv_cache
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
 
         def forward() -> torch.Tensor:
             self.seq_lens.copy_(self.inputs[3])
+            self.fresh.copy_(self.inputs[4])
             ids = resolve_placeholders(self.input_ids, self.prev_tokens)
             return model.compute_logits(model(ids, self.positions, kv, self.meta))
 
@@ -106,8 +111,9 @@ class _DecodeGraph:
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
+        fresh = step.positions if step.fresh is None else step.fresh  # a decode's first new key: its own
         host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
-                       step.seq_lens + [1] * pad], torch.int64)
+                       step.seq_lens + [1] * pad, fresh + [0] * pad], torch.int64)
         self.inputs.copy_(host, non_blocking=True)
         copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
@@ -176,13 +182,17 @@ class StepInputs:
     # Rows whose logits give prompt logprobs, after the sampled rows' (eager steps only: a prompt's
     # positions before its last are never in a decode step).
     prompt_rows: list[int] = field(default_factory=list)
+    # Per sequence: its first position computed this step (None: seq_len - query_len). A verify
+    # step's decode rows, a row per token, share their sequence's.
+    fresh: list[int] | None = None
 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None,
+                 max_rows: int = 256, use_cuda_graphs: bool = True, sample_vocab_size: int | None = None,
                  publish: Callable[[StepInputs], None] | None = None, max_num_batched_tokens: int = 2048) -> None:
-        """`publish`, on rank 0 under tensor parallelism, sends each step to the other ranks."""
+        """`max_rows`: the most decode rows a step has (sequences, and their drafts). `publish`, on
+        rank 0 under tensor parallelism, sends each step to the other ranks."""
         cfg = model.cfg
         self.model = model
         self.publish = publish
@@ -206,17 +216,18 @@ class ModelRunner:
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
         self._followed: torch.Tensor | None = None  # on ranks other than 0: rank 0's last sampled ids
         if use_cuda_graphs and self.device.type == "cuda":
-            self._capture(max_num_seqs, max_num_batched_tokens)
+            self._capture(max_rows, max_num_batched_tokens)
 
     @torch.inference_mode()
-    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def _capture(self, max_rows: int, max_num_batched_tokens: int) -> None:
         pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse its memory; the prefill graphs share it too (one
         # step runs at a time, and its logits are sampled before the next replays).
         tokens = [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens]
         for count in reversed(tokens):
             self.prefill_graphs[count] = _PrefillGraph(self, count, pool)
-        sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_num_seqs]
+        padded = [b for b in GRAPH_BATCH_SIZES if b >= max_rows][:1]  # the size the most rows pad to
+        sizes = [b for b in GRAPH_BATCH_SIZES if b < max_rows] + padded
         for batch in reversed(sizes):
             self.graphs[batch] = _DecodeGraph(self, batch, pool)
         log.info("captured CUDA graphs for decode batch sizes %s and prefill token counts %s", sizes, tokens)
@@ -281,16 +292,34 @@ class ModelRunner:
         for s in sampling:  # a sequence with k drafts samples its last k + 1 rows
             last = last_row[(s.sample_from or s.seq).seq_id]
             logit_rows += range(last - len(s.drafts), last + 1) if s.drafts else (last,)
-        return StepInputs(
+        step = StepInputs(
             input_ids=input_ids, positions=positions, slots=slots,
             query_lens=[s.num_new_tokens for s in computing],
             seq_lens=[s.seq.num_computed_tokens + s.num_new_tokens for s in computing],
             block_tables=[s.seq.block_table for s in computing],
             block_copies=out.block_copies,
             logit_rows=logit_rows,
-            graph_batch=self._graph_for(computing, sampling, prev_rows),
+            graph_batch=None,
             has_prev=prev_rows is not None,
         )
+        decodes = len(computing) == len(sampling) and all(
+            s.samples and not s.sample_from and s.num_new_tokens == 1 + len(s.drafts) for s in computing)
+        if decodes and len(input_ids) > len(computing):
+            self._token_rows(step, computing)
+        step.graph_batch = self._graph_for(step, prev_rows) if decodes else None
+        return step
+
+    @staticmethod
+    def _token_rows(step: StepInputs, computing: list[ScheduledSequence]) -> None:
+        """Lay out a verify step as decode rows, a row per token: each attends to its sequence's
+        keys up to itself, and waits for the whole step's new keys (fresh) before reading them."""
+        step.query_lens, step.seq_lens, step.block_tables, step.fresh = [], [], [], []
+        for s in computing:
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            step.query_lens += [1] * n
+            step.seq_lens += range(start + 1, start + n + 1)
+            step.block_tables += [s.seq.block_table] * n
+            step.fresh += [start] * n
 
     def forward(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
         """The step's forward on this rank: logits of its sampled rows then its prompt rows, or None
@@ -303,7 +332,7 @@ class ModelRunner:
                 self.prev_tokens[: len(prev)].copy_(prev)
             return graph.run(step, self.scratch_slot, self.scratch_block)
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
-                                           self.model.num_kv_heads, self.device)
+                                           self.model.num_kv_heads, self.device, step.fresh)
         ids = self._tensor(step.input_ids, torch.int64)
         if prev is not None:
             ids = resolve_placeholders(ids, prev)
@@ -313,15 +342,11 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
-    def _graph_for(self, computing: list[ScheduledSequence], sampling: list[ScheduledSequence],
-                   prev_rows: int | None) -> int | None:
-        """A captured graph fits a step whose every sequence decodes one token and samples it."""
-        if not self.graphs or len(computing) != len(sampling) or any(s.num_new_tokens != 1 or s.sample_from
-                                                                     for s in computing):
+    def _graph_for(self, step: StepInputs, prev_rows: int | None) -> int | None:
+        """The captured graph of a step of decode rows, each sampling its own logits, if one is large enough."""
+        if not self.graphs or (prev_rows is not None and prev_rows > len(self.prev_tokens)):
             return None
-        if prev_rows is not None and prev_rows > len(self.prev_tokens):
-            return None
-        return next((b for b in sorted(self.graphs) if b >= len(computing)), None)
+        return next((b for b in sorted(self.graphs) if b >= len(step.input_ids)), None)
 
     def _prefill_graph_for(self, step: StepInputs, prev: torch.Tensor | None) -> _PrefillGraph | None:
         """A captured prefill graph fits a step of no more sequences, logit rows and tokens than it

@@ -32,6 +32,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     num_splits: int = 1  # decode attention's splits of each sequence's blocks (fixed per graph)
+    # [B] int32: each sequence's first key written in this step, which decode attention reads only
+    # after waiting for the kernel that writes it (None: its last; a verify step's rows share theirs)
+    fresh: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -39,7 +42,7 @@ class AttentionMetadata:
 
     @classmethod
     def from_host(cls, slots: list[int], query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                  num_kv_heads: int, device: torch.device) -> AttentionMetadata:
+                  num_kv_heads: int, device: torch.device, fresh: list[int] | None = None) -> AttentionMetadata:
         """A batch's metadata from host lists (the block tables padded with block 0 to the longest),
         copied to `device` behind its queued work: no host sync."""
         width = max(len(t) for t in block_tables)
@@ -51,6 +54,7 @@ class AttentionMetadata:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             num_splits=num_splits_for(len(seq_lens), num_kv_heads, device),
+            fresh=None if fresh is None else to_device(fresh, torch.int32, device),
         )
 
     @classmethod
@@ -72,10 +76,10 @@ class AttentionMetadata:
 
     @classmethod
     def for_decode_graph(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                         num_kv_heads: int) -> AttentionMetadata:
+                         num_kv_heads: int, fresh: torch.Tensor) -> AttentionMetadata:
         """One query per sequence over a CUDA graph's static buffers, which every replay reads (the
-        caller refills them): slot_mapping [B] int64, seq_lens [B] int32, block_tables [B, max_blocks]
-        int32. The host lengths are placeholders: decode attention reads only the device ones."""
+        caller refills them): slot_mapping [B] int64, seq_lens and fresh [B] int32, block_tables [B,
+        max_blocks] int32. The host lengths are placeholders: decode attention reads only the device ones."""
         batch, device = seq_lens.shape[0], seq_lens.device
         return cls(
             slot_mapping=slot_mapping,
@@ -85,6 +89,7 @@ class AttentionMetadata:
             query_lens_cpu=[1] * batch,
             seq_lens_cpu=[1] * batch,
             num_splits=num_splits_for(batch, num_kv_heads, device),
+            fresh=fresh,
         )
 
 
@@ -147,6 +152,7 @@ def paged_attention(
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     if meta.decode_only:
-        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits)
+        return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
+                                       meta.fresh)
     return prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                     max(meta.query_lens_cpu), scale)

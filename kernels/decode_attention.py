@@ -20,7 +20,7 @@ from kernels.dispatch import launch_options, programmatic_launch, sm_count, wait
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, fresh_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_blk, stride_c_pos, stride_c_kv,
@@ -31,17 +31,18 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the wait for the previous kernel (rope_store_kv, which writes q and the newest token's
-    # keys and values): the lengths, block tables and older cache entries, which the step's earlier
-    # kernels and host copies wrote. The first tile's older keys and values are on their way while
-    # that kernel finishes; the newest token's row is read after the wait.
+    # Before the wait for the previous kernel (the one that writes q and this step's keys and values):
+    # the lengths, block tables and older cache entries, which earlier steps and the host copies
+    # wrote. The first tile's older keys and values are on their way while that kernel finishes; the
+    # step's own rows (from `fresh` on: the newest token, or a verify step's drafts) after the wait.
     seq_len = tl.load(lens_ptr + seq)
+    fresh = tl.load(fresh_ptr + seq)
     table_ptr = tables_ptr + seq * stride_tab
     offs = tl.arange(0, TILE)
     tok = split * TILE + offs
     kv_offs = kv_tile_offsets(table_ptr, kv_head, tok, tok < seq_len, stride_c_blk, stride_c_pos, stride_c_kv,
                               BLOCK_SIZE, HEAD_DIM)
-    older = (tok < seq_len - 1)[:, None]
+    older = (tok < fresh)[:, None]
     k = tl.load(k_ptr + kv_offs, mask=older, other=0.0)
     v = tl.load(v_ptr + kv_offs, mask=older, other=0.0)
     wait_for_previous_kernel(PDL)
@@ -55,7 +56,7 @@ def _decode_split_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     if split * TILE < seq_len:  # else an empty split: no keys at all
-        newest = (tok == seq_len - 1)[:, None]
+        newest = ((tok >= fresh) & (tok < seq_len))[:, None]
         k = tl.where(newest, tl.load(k_ptr + kv_offs, mask=newest, other=0.0), k)
         v = tl.where(newest, tl.load(v_ptr + kv_offs, mask=newest, other=0.0), v)
         m, l, acc = attend(q, k, v, (tok < seq_len)[None, :], m, l, acc, scale, IEEE)
@@ -105,9 +106,12 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 def decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, num_splits: int,
+    seq_lens: torch.Tensor, scale: float, num_splits: int, fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, D] (one query per sequence); caches: [num_blocks, block_size, KV, D]; → [B, H, D]."""
+    """q: [B, H, D] (one query per sequence); caches: [num_blocks, block_size, KV, D]; → [B, H, D].
+    fresh [B] int32: each row's first key written by the kernel before this one (default its last)."""
+    if fresh is None:
+        fresh = seq_lens - 1
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
@@ -119,7 +123,7 @@ def decode_attention_triton(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = programmatic_launch(q)
     _decode_split_kernel[(batch, num_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, block_tables, seq_lens, fresh, part_out, part_lse, out,
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -98,9 +98,10 @@ def test_prefill_graphs_match_eager_steps() -> None:
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
-    """Verify steps replay the prefill graphs beside decodes (and the draft model runs eagerly on the
-    same GPU): greedy and seeded outputs are those without speculation, and no block is left held.
-    float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do."""
+    """Verify steps replay the decode graphs, a row per token (and the draft model runs eagerly on
+    the same GPU): greedy and seeded outputs are those without speculation, and no block is left
+    held. float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do;
+    decode attention reads the drafts' keys only after the kernel that writes them."""
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (5, 20, 60)]  # text that repeats
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -111,9 +112,13 @@ def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
     spec = LLMEngine(EngineConfig(**config, speculative_method=method, num_speculative_tokens=4,
                                   speculative_max_batch=4, speculative_model=draft))
     plain = LLMEngine(EngineConfig(**config))
+    replays = []
+    for graph in spec.runner.graphs.values():
+        graph.graph.replay = (lambda g: lambda: (replays.append(g.batch), type(g.graph).replay(g.graph))[1])(graph)
     got = [r.token_ids for r in spec.generate(prompts, params)]
     assert got == [r.token_ids for r in plain.generate(prompts, params)]
     assert spec.accepted_draft_tokens_total > 0
+    assert max(replays) > len(prompts)  # more rows than sequences: verify steps
     assert spec.block_manager.num_used_blocks == 0
     proposer = spec.scheduler.proposer
     assert method != "draft" or len(proposer.free_blocks) == proposer.num_blocks

@@ -50,14 +50,18 @@ def test_metadata_from_host_lists() -> None:
     assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.seq_lens.tolist() == [3, 9]
     assert meta.block_tables.tolist() == [[1, 0, 0], [4, 2, 8]]  # padded with block 0
     assert meta.query_lens_cpu == [3, 1] and meta.seq_lens_cpu == [3, 9] and not meta.decode_only
-    assert meta.num_splits == num_splits_for(2, 2, CPU)
+    assert meta.num_splits == num_splits_for(2, 2, CPU) and meta.fresh is None
+    verify = AttentionMetadata.from_host([9, 10], [1, 1], [9, 10], [[4, 2], [4, 2]], 2, CPU, fresh=[8, 8])
+    assert verify.fresh.dtype == torch.int32 and verify.fresh.tolist() == [8, 8]
 
 
 def test_metadata_for_a_decode_graph_reads_its_static_buffers() -> None:
     slots, lens = torch.zeros(4, dtype=torch.int64), torch.ones(4, dtype=torch.int32)
     tables = torch.zeros(4, 8, dtype=torch.int32)
-    meta = AttentionMetadata.for_decode_graph(slots, lens, tables, num_kv_heads=8)
+    fresh = torch.zeros(4, dtype=torch.int32)
+    meta = AttentionMetadata.for_decode_graph(slots, lens, tables, num_kv_heads=8, fresh=fresh)
     # The very tensors: every replay of the graph reads what the runner copied into them.
     assert meta.slot_mapping is slots and meta.seq_lens is lens and meta.block_tables is tables
+    assert meta.fresh is fresh
     assert meta.decode_only and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert meta.num_splits == num_splits_for(4, 8, CPU) == 9

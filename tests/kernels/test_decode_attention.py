@@ -12,7 +12,8 @@ from tests.kernels.test_attention import dense_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_decode_attention_matches_dense(triton_interpreter, dtype, num_splits, heads, kv_heads) -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_decode_attention_matches_dense(triton_interpreter, dtype, num_splits, heads, kv_heads, verify) -> None:
     gen = torch.Generator().manual_seed(num_splits * 10 + heads)
     dim, block_size, num_blocks = 32, 4, 96
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
@@ -25,9 +26,11 @@ def test_decode_attention_matches_dense(triton_interpreter, dtype, num_splits, h
     width = max(map(len, tables)) + 2  # wider than needed: entries past a sequence must not be read
     block_tables = torch.tensor([t + [10**6] * (width - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    # A verify step's rows read the keys of the drafts before them after the wait too.
+    fresh = torch.tensor([max(0, n - 5) for n in lens], dtype=torch.int32) if verify else None
     with nan_poisoned_allocations():
         out = decode_attention_triton(q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32),
-                                      dim**-0.5, num_splits)
+                                      dim**-0.5, num_splits, fresh)
     ref = torch.stack([
         dense_attention(q[i : i + 1], k_cache[t].flatten(0, 1)[:n], v_cache[t].flatten(0, 1)[:n], dim**-0.5)[0]
         for i, (t, n) in enumerate(zip(tables, lens))
