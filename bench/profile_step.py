@@ -60,6 +60,7 @@ def main() -> None:
     runs: list[str] = []  # per verify step: the graph it replayed, or eager
     if args.drafts:  # the cost of verifying k drafts, not their luck: k every step, never backing off
         engine.scheduler.proposer = FixedDrafts(args.drafts)
+        engine.scheduler.gate = None  # it would stop the drafts where they lose
         DraftState.record = lambda self, drafted, confirmed, most: None
         runner = engine.runner
         forward, find = runner.forward, runner._prefill_graph_for

@@ -22,7 +22,7 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.speculative import METHODS, NgramProposer, Proposer, SuffixProposer, accepted
+from engine.speculative import METHODS, NgramProposer, Proposer, SpeedGate, SuffixProposer, accepted
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
@@ -47,6 +47,7 @@ class _InFlight:
     masked: bool = False  # the grammar worker fills its masks (sent once the step before is read)
     # Prompt logprobs computed in this step, and per request how many of them are its.
     prompt: tuple[SamplerOutput, list[tuple[Request, int]]] | None = None
+    decode_only: bool = False  # every sequence decodes (some with drafts): a step the speed gate times
 
 
 @dataclass
@@ -103,7 +104,8 @@ class LLMEngine:
             self.kv_bytes_per_block = config.block_size * self.model.kv_bytes_per_token()
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
-                                       self._proposer(draft, num_blocks), draft_batch(config, device))
+                                       self._proposer(draft, num_blocks), draft_batch(config, device),
+                                       SpeedGate() if config.speculative_method and config.speculative_gate else None)
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
@@ -115,6 +117,8 @@ class LLMEngine:
             raise
         self.requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
+        self.clock = time.perf_counter  # the speed gate's
+        self._last_read = self.clock()  # when a step's tokens were last read
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.constrained_requests_total = 0
@@ -284,12 +288,16 @@ class LLMEngine:
         samples it just before its own forward launches behind it.
         """
         outputs: list[RequestOutput] = []
-        prev = self._in_flight
-        if prev is not None and (self.scheduler.drafting() or any(s.drafts or s.seq.request.params.penalized
-                                                                  for s in prev.sampling)):
+        prev = read = self._in_flight  # read: the step whose tokens this call reads
+        drafting = early = False
+        if prev is not None:
+            drafting = self.scheduler.drafting() or any(s.drafts for s in prev.sampling)
+            early = drafting or any(s.seq.request.params.penalized for s in prev.sampling)
+        if early:
             # Penalties read the real history, and drafts follow it and move each sequence by as many
             # tokens as the target accepts: let the step in flight land before the next is made.
             outputs += self._collect(self._take_in_flight())
+            read_at = self.clock()
             prev = None
         out = self.scheduler.schedule()
         prev_rows = len(prev.sampling) if prev is not None and prev.sampling else None  # placeholders it may name
@@ -299,12 +307,26 @@ class LLMEngine:
         launched = self._launch(out, step, prev) if step is not None else None
         if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
             outputs += self._collect(self._take_in_flight(), launched)
+            read_at = self.clock()
         elif launched is not None and launched.constrained:  # nothing to read first
             launched.masked = self._fill_masks(launched.sampling)
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
+        if read is not None and self.scheduler.gate is not None:  # timed where a step was read and one launched
+            self._time_read(read, outputs, drafting, read_at, timed=launched is not None and (drafting or not early))
         return outputs
+
+    def _time_read(self, read: _InFlight, outputs: list[RequestOutput], drafting: bool, now: float, timed: bool
+                   ) -> None:
+        """Tell the speed gate how fast decode steps go with drafts (each waiting for the one before)
+        and without (overlapped): the tokens of the step just read over the time since the one before
+        it was read. A step that waited but found nothing to draft is not timed: sequences with
+        nothing to propose back off by themselves (speculative.DraftState)."""
+        seconds, self._last_read = now - self._last_read, now
+        if timed and read.decode_only and read.sampling and drafting == any(s.drafts for s in read.sampling):
+            tokens = sum(len(delta.token_ids) for output in outputs for delta in output.deltas)
+            self.scheduler.gate.record(drafting, len(read.sampling), tokens, seconds)
 
     def _sample_deferred(self, in_flight: _InFlight) -> None:
         """Launch the sampling of a step with grammar rows, under the masks filled for it."""
@@ -350,7 +372,10 @@ class LLMEngine:
                 seq.token_ids.append(placeholder(row))
                 seq.num_placeholders += 1
             row += 1 + len(s.drafts)
-        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt)
+        decode_only = self.scheduler.gate is not None and all(
+            s.samples and s.num_new_tokens == 1 + len(s.drafts) for s in out.scheduled)
+        return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt,
+                         decode_only=decode_only)
 
     @staticmethod
     def _prompt_logprob_rows(out: SchedulerOutput, step: StepInputs

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import DraftState, Proposer
+from engine.speculative import DraftState, Proposer, SpeedGate
 
 
 @dataclass(slots=True)
@@ -44,10 +44,11 @@ def derive_seed(seed: int, index: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None, max_draft_batch: int = 16) -> None:
+                 proposer: Proposer | None = None, max_draft_batch: int = 16, gate: SpeedGate | None = None) -> None:
         self.block_manager = block_manager
         self.proposer = proposer  # decodes carry its draft tokens when it has some
         self.max_draft_batch = max_draft_batch  # running sequences up to which steps draft (speculative.max_batch)
+        self.gate = gate  # whether drafting pays at the batch size, as measured; None: it always may
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -136,15 +137,17 @@ class Scheduler:
     def drafting(self) -> bool:
         """Whether the next schedule may give a decode drafts: then the engine reads the step in
         flight first, as drafts follow real ids. Not past max_draft_batch running sequences, nor
-        while every one waits out its misses (speculative.DraftState)."""
+        while every one waits out its misses (speculative.DraftState), nor while the gate is shut."""
         return (self.proposer is not None and len(self.running) <= self.max_draft_batch
+                and (self.gate is None or self.gate.open(len(self.running)))
                 and any(s.drafting is None or not s.drafting.skip for s in self.running))
 
     def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
         """The decodes that may draft this step, each with its most drafts (before the step's token
         budget cuts them); the proposer prepares their drafts in one go. Each sequence's DraftState
         counts down its skip here, once a schedule."""
-        if self.proposer is None or len(self.running) > self.max_draft_batch:
+        if (self.proposer is None or len(self.running) > self.max_draft_batch
+                or (self.gate is not None and not self.gate.tick(len(self.running)))):
             return {}
         limits = {}
         for seq in running:

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 METHODS = ("ngram", "suffix", "draft")
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
 PATIENCE = 8  # misses in a row before a sequence starts skipping decodes
+WARM_STEPS = 4  # decode steps without drafts that a batch size measures before it drafts
+PROBE_STEPS = 4  # steps with drafts measured between verdicts on them
+MIN_PAUSE, MAX_PAUSE = 32, 1024  # schedules without drafts after a verdict that they did not pay (doubling)
+MIN_GAIN = 1.02  # how much faster drafting must go to keep on: a tie is not worth its waits
 
 
 def max_batch(device_type: str) -> int:
@@ -59,6 +63,64 @@ class DraftState:
             self.length = max(1, most >> self.misses)
         if misses >= PATIENCE:
             self.skip = min(2 ** (misses - PATIENCE), MAX_SKIP)
+
+
+@dataclass
+class _Pace:
+    """One batch size's decode speed, tokens a second per sequence (moving averages)."""
+
+    plain: float = 0.0  # overlapped steps without drafts
+    spec: float = 0.0  # steps that wait for the one before to draft
+    plain_steps: int = 0
+    spec_steps: int = 0  # since the last pause
+    pause: int = 0  # schedules to go without drafts
+    next_pause: int = MIN_PAUSE
+
+
+class SpeedGate:
+    """Whether drafting pays on this machine, by batch size (a power of two): the engine's decode
+    steps timed with drafts and without. A step that drafts waits for the step before it (drafts
+    follow real ids), so neither the host's work nor the verify step's extra rows overlap anything;
+    on a fast GPU with a small model that costs more than the accepted drafts bring (bench/README.md).
+    A batch size first measures WARM_STEPS steps without drafts; then after every PROBE_STEPS steps
+    with drafts, unless those ran MIN_GAIN faster, drafting pauses for MIN_PAUSE schedules, doubling up to
+    MAX_PAUSE while it keeps losing, and its speed is measured afresh after each pause."""
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight  # of the newest step in the moving averages
+        self.paces: dict[int, _Pace] = {}
+
+    def _pace(self, batch: int) -> _Pace:
+        return self.paces.setdefault(1 << max(batch - 1, 0).bit_length(), _Pace())
+
+    def open(self, batch: int) -> bool:
+        """Whether steps of `batch` running sequences may draft (a look: no pause is counted down)."""
+        pace = self._pace(batch)
+        return pace.plain_steps >= WARM_STEPS and not pace.pause
+
+    def tick(self, batch: int) -> bool:
+        """Once a schedule: open(batch), a schedule of its pause counted down."""
+        pace = self._pace(batch)
+        if pace.pause:
+            pace.pause -= 1
+            return False
+        return pace.plain_steps >= WARM_STEPS
+
+    def record(self, drafting: bool, batch: int, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` sequences read: `tokens` emitted, `seconds` since the step read before it."""
+        pace, rate = self._pace(batch), tokens / batch / max(seconds, 1e-9)
+        if not drafting:
+            pace.plain = rate if not pace.plain_steps else pace.plain + self.weight * (rate - pace.plain)
+            pace.plain_steps += 1
+            return
+        pace.spec = rate if not pace.spec_steps else pace.spec + self.weight * (rate - pace.spec)
+        pace.spec_steps += 1
+        if pace.spec_steps % PROBE_STEPS:
+            return
+        if pace.spec < MIN_GAIN * pace.plain:
+            pace.pause, pace.next_pause, pace.spec_steps = pace.next_pause, min(2 * pace.next_pause, MAX_PAUSE), 0
+        else:
+            pace.next_pause = MIN_PAUSE
 
 
 class Proposer:

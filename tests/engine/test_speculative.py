@@ -14,8 +14,8 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Request, Sequence
-from engine.speculative import (MAX_SKIP, PATIENCE, DraftState, NgramProposer, SuffixAutomaton, SuffixProposer,
-                                accepted, max_batch)
+from engine.speculative import (MAX_PAUSE, MAX_SKIP, MIN_PAUSE, PATIENCE, PROBE_STEPS, WARM_STEPS, DraftState,
+                                NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted, max_batch)
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -123,15 +123,58 @@ def test_draft_length_follows_acceptance_and_misses_back_off() -> None:
     assert (state.dry, state.skip) == (0, 0)
 
 
+def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
+    gate = SpeedGate()
+    for _ in range(WARM_STEPS):  # first the batch size's pace without drafts: 2 tokens a second a sequence
+        assert not gate.open(4) and gate.tick(4) is False
+        gate.record(False, 4, tokens=8, seconds=1.0)
+    assert gate.open(4) and gate.open(3) and not gate.open(5)  # batch sizes by powers of two
+    pauses = []
+    for _ in range(4):  # drafts that bring 1.5 tokens a second a sequence: paused, twice as long each time
+        for _ in range(PROBE_STEPS):
+            assert gate.tick(4)
+            gate.record(True, 4, tokens=6, seconds=1.0)
+        pauses.append(sum(1 for _ in iter(lambda: gate.tick(4), True)))
+        assert gate.open(4)
+    assert pauses == [MIN_PAUSE, 2 * MIN_PAUSE, 4 * MIN_PAUSE, 8 * MIN_PAUSE] and 8 * MIN_PAUSE <= MAX_PAUSE
+    for _ in range(2 * PROBE_STEPS):  # after a pause they are timed afresh: now they pay, so no pause
+        gate.record(True, 4, tokens=12, seconds=1.0)
+        assert gate.tick(4)
+    assert gate.paces[4].next_pause == MIN_PAUSE
+
+
+def test_drafting_stops_where_verify_steps_are_slow(default_model_dir, engines) -> None:
+    """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
+    a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
+    by a longer pause: at most four in 200 tokens. The outputs stay the same."""
+    base, _ = engines
+    slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
+                       speculative_max_batch=8)
+    now, forward = [0.0], slow.runner.forward
+
+    def timed(step, prev):
+        now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
+        return forward(step, prev)
+    slow.runner.forward, slow.clock = timed, lambda: now[0]
+    prompts, greedy = chats(LIST), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for a, b in zip(base.generate(prompts, greedy), slow.generate(prompts, greedy)):
+        assert_same(a, b)
+    pace = slow.scheduler.gate.paces[1]
+    assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 4 * MIN_PAUSE  # paused twice or more
+    assert 0 < slow.stats().draft_tokens <= 4 * 4 * PROBE_STEPS
+
+
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
     assert max_batch("cuda") > 1 and max_batch("cpu") == 1
 
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
-    """The embedded model without and with n-gram speculation."""
+    """The embedded model without and with n-gram speculation. Here engines draft wherever they can,
+    whatever it costs (speculative_gate off): the gate, which times steps, is tested on its own."""
     return make_engine(default_model_dir), make_engine(default_model_dir, speculative_method="ngram",
-                                                       num_speculative_tokens=4, speculative_max_batch=8)
+                                                       num_speculative_tokens=4, speculative_max_batch=8,
+                                                       speculative_gate=False)
 
 
 @pytest.fixture(scope="module", params=["ngram", "suffix"])
@@ -140,7 +183,7 @@ def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEng
     if request.param == "ngram":
         return engines
     return engines[0], make_engine(default_model_dir, speculative_method=request.param, num_speculative_tokens=4,
-                                   speculative_max_batch=8)
+                                   speculative_max_batch=8, speculative_gate=False)
 
 
 def assert_same(a: Completion, b: Completion) -> None:
@@ -191,7 +234,7 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
 def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
     base, _ = engines
     tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
-                        speculative_max_batch=4)
+                        speculative_max_batch=4, speculative_gate=False)
     prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     expected = base.generate(prompts, greedy)
@@ -286,7 +329,8 @@ def tiny_engine(**kw) -> LLMEngine:
 
 
 def draft_engine(draft: str = DRAFT, **kw) -> LLMEngine:
-    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256, **kw)
+    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256,
+                       speculative_gate=False, **kw)
 
 
 def assert_no_draft_block_held(engine: LLMEngine) -> None:
@@ -323,7 +367,7 @@ def test_draft_model_outputs_on_the_embedded_model(default_model_dir, plain_outp
     """The embedded model drafting for itself (a mechanics check: all drafts accepted), on two of the
     shared prompts: seeded with logprobs, and a stop string (the tiny models' tests have the rest)."""
     spec = make_engine(default_model_dir, speculative_method="draft", speculative_model=str(default_model_dir),
-                       num_speculative_tokens=4, speculative_max_batch=8)
+                       num_speculative_tokens=4, speculative_max_batch=8, speculative_gate=False)
     got = spec.generate(PROMPTS[1::2], PARAMS[1::2])
     for a, b in zip(plain_outputs[1::2], got):
         assert_same(a, b)
