@@ -148,7 +148,7 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
     by a longer pause: at most three in 100 tokens."""
     slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
-                       speculative_max_batch=8)
+                       speculative_max_batch=8, speculative_gate=True)
     now, forward = [0.0], slow.runner.forward
 
     def timed(step, prev):
@@ -168,11 +168,9 @@ def test_only_a_gpu_drafts_beside_a_batch() -> None:
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
-    """The embedded model without and with n-gram speculation. Here engines draft wherever they can,
-    whatever it costs (speculative_gate off): the gate, which times steps, is tested on its own."""
+    """The embedded model without and with n-gram speculation."""
     return make_engine(default_model_dir), make_engine(default_model_dir, speculative_method="ngram",
-                                                       num_speculative_tokens=4, speculative_max_batch=8,
-                                                       speculative_gate=False)
+                                                       num_speculative_tokens=4, speculative_max_batch=8)
 
 
 @pytest.fixture(scope="module", params=["ngram", "suffix"])
@@ -181,7 +179,7 @@ def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEng
     if request.param == "ngram":
         return engines
     return engines[0], make_engine(default_model_dir, speculative_method=request.param, num_speculative_tokens=4,
-                                   speculative_max_batch=8, speculative_gate=False)
+                                   speculative_max_batch=8)
 
 
 def assert_same(a: Completion, b: Completion) -> None:
@@ -232,7 +230,7 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
 def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
     base, _ = engines
     tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
-                        speculative_max_batch=4, speculative_gate=False)
+                        speculative_max_batch=4)
     prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     expected = base.generate(prompts, greedy)
@@ -327,8 +325,7 @@ def tiny_engine(**kw) -> LLMEngine:
 
 
 def draft_engine(draft: str = DRAFT, **kw) -> LLMEngine:
-    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256,
-                       speculative_gate=False, **kw)
+    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256, **kw)
 
 
 def assert_no_draft_block_held(engine: LLMEngine) -> None:
@@ -365,7 +362,7 @@ def test_draft_model_outputs_on_the_embedded_model(default_model_dir, plain_outp
     """The embedded model drafting for itself (a mechanics check: all drafts accepted), on two of the
     shared prompts: seeded with logprobs, and a stop string (the tiny models' tests have the rest)."""
     spec = make_engine(default_model_dir, speculative_method="draft", speculative_model=str(default_model_dir),
-                       num_speculative_tokens=4, speculative_max_batch=8, speculative_gate=False)
+                       num_speculative_tokens=4, speculative_max_batch=8)
     got = spec.generate(PROMPTS[1::2], PARAMS[1::2])
     for a, b in zip(plain_outputs[1::2], got):
         assert_same(a, b)
