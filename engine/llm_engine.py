@@ -291,8 +291,8 @@ class LLMEngine:
         prev = read = self._in_flight  # read: the step whose tokens this call reads
         drafting = early = False
         if prev is not None:
-            drafting = self.scheduler.drafting() or any(s.drafts for s in prev.sampling)
-            early = drafting or any(s.seq.request.params.penalized for s in prev.sampling)
+            drafting = self.scheduler.drafting()
+            early = drafting or any(s.drafts or s.seq.request.params.penalized for s in prev.sampling)
         if early:
             # Penalties read the real history, and drafts follow it and move each sequence by as many
             # tokens as the target accepts: let the step in flight land before the next is made.
@@ -372,10 +372,8 @@ class LLMEngine:
                 seq.token_ids.append(placeholder(row))
                 seq.num_placeholders += 1
             row += 1 + len(s.drafts)
-        decode_only = self.scheduler.gate is not None and all(
-            s.samples and s.num_new_tokens == 1 + len(s.drafts) for s in out.scheduled)
         return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt,
-                         decode_only=decode_only)
+                         decode_only=step.decodes)
 
     @staticmethod
     def _prompt_logprob_rows(out: SchedulerOutput, step: StepInputs

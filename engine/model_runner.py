@@ -185,6 +185,7 @@ class StepInputs:
     # Per sequence: its first position computed this step (None: seq_len - query_len). A verify
     # step's decode rows, a row per token, share their sequence's.
     fresh: list[int] | None = None
+    decodes: bool = False  # every sequence decodes (some with drafts) and samples its own rows
 
 
 class ModelRunner:
@@ -301,12 +302,12 @@ class ModelRunner:
             logit_rows=logit_rows,
             graph_batch=None,
             has_prev=prev_rows is not None,
+            decodes=len(computing) == len(sampling) and all(
+                s.samples and not s.sample_from and s.num_new_tokens == 1 + len(s.drafts) for s in computing),
         )
-        decodes = len(computing) == len(sampling) and all(
-            s.samples and not s.sample_from and s.num_new_tokens == 1 + len(s.drafts) for s in computing)
-        if decodes and len(input_ids) > len(computing):
+        if step.decodes and len(input_ids) > len(computing):
             self._token_rows(step, computing)
-        step.graph_batch = self._graph_for(step, prev_rows) if decodes else None
+        step.graph_batch = self._graph_for(step, prev_rows) if step.decodes else None
         return step
 
     @staticmethod
