@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, default=0,
                         help="every decode carries this many draft tokens (a verify step), whatever is accepted")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rows", type=int, default=8, help="kernels listed per table, by total time")
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -107,7 +108,7 @@ def main() -> None:
             ran = ", ".join(f"{runs.count(r)} x {r}" for r in sorted(set(runs)))
             print(f"\nbatch {batch}, {args.drafts} drafts a sequence: engine step {step_ms:.3f} ms, device work "
                   f"{device_ms:.3f} ms in {launches:.0f} launches a step; ran as {ran}")
-            print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))
+            print(averages.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))
             print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
             for request_id in list(engine.requests):
                 engine.abort(request_id)
@@ -131,13 +132,13 @@ def main() -> None:
               f"{kernels:.0f} kernels a step")
         print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
         try:
-            print(averages.table(sort_by="device_time_total", row_limit=8, max_name_column_width=60))
+            print(averages.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))
         except (AttributeError, KeyError):  # older torch names it cuda_time_total
-            print(averages.table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+            print(averages.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         for request_id in list(engine.requests):
             engine.abort(request_id)
     for length in args.prefill:
-        profile_prefill(engine, length, args.host_profile)
+        profile_prefill(engine, length, args.host_profile, args.rows)
 
 
 class FixedDrafts(Proposer):
@@ -150,7 +151,7 @@ class FixedDrafts(Proposer):
         return [seq.token_ids[-1]] * min(self.num_tokens, limit)
 
 
-def profile_prefill(engine: LLMEngine, length: int, host_profile: bool, reps: int = 5) -> None:
+def profile_prefill(engine: LLMEngine, length: int, host_profile: bool, rows: int, reps: int = 5) -> None:
     """One prompt of `length` fresh random ids (no prefix hit) to its first token, `reps` times after a
     warm-up: the median time, then one more under cProfile and one under torch.profiler (the step
     after it included, which max_tokens=1 still launches)."""
@@ -189,9 +190,9 @@ def profile_prefill(engine: LLMEngine, length: int, host_profile: bool, reps: in
     print(f"\nprefill {length}: first token {wall:.3f} ms, kernels' device time {device_ms:.3f} ms, {kernels} kernels")
     print(host_report[host_report.find("   ncalls"):] if host_report else "", end="")
     try:
-        print(averages.table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
+        print(averages.table(sort_by="device_time_total", row_limit=rows, max_name_column_width=60))
     except (AttributeError, KeyError):
-        print(averages.table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+        print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":

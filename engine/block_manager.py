@@ -84,9 +84,10 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's logits
         hits: list[int] = []
-        num_blocks = (seq.num_tokens - 1) // self.block_size
-        for h in self._hashes(seq, num_blocks)[:num_blocks]:
-            block_id = self.cached.get(h)
+        # Hashed a block at a time up to the first miss: a fresh prompt's other blocks are hashed after
+        # its first chunk has launched (cache_full_blocks), not before, where they would delay it.
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(self._hashes(seq, i + 1)[i])
             if block_id is None:
                 break
             hits.append(block_id)

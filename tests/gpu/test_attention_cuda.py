@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention_ref
+from kernels.attention import AttentionMetadata, dense_prefill, dense_prefill_attention, paged_attention, paged_attention_ref
 from kernels.decode_attention import decode_attention_triton
 from kernels.prefill_attention import prefill_attention_triton
 from tests.gpu.test_kernels_cuda import rel_err
@@ -25,7 +25,9 @@ def batch(shapes: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch
     free = torch.randperm(NUM_BLOCKS).tolist()
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n, _ in shapes]
     q_lens = [q for _, q in shapes]
-    meta = AttentionMetadata.from_host([0] * sum(q_lens), q_lens, [n for n, _ in shapes], tables, kv_heads,
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for table, (n, q_len) in zip(tables, shapes) for p in range(n - q_len, n)]
+    meta = AttentionMetadata.from_host(slots, q_lens, [n for n, _ in shapes], tables, kv_heads,
                                        torch.device("cuda"))
     q = torch.randn(sum(q_lens), heads, HEAD_DIM, device="cuda", dtype=dtype)
     return q, k_cache, v_cache, meta
@@ -52,3 +54,17 @@ def test_prefill_attention(dtype, heads, kv_heads) -> None:
         out = prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                        max(meta.query_lens_cpu), HEAD_DIM**-0.5)
     assert rel_err(out, paged_attention_ref(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", HEAD_SHAPES)
+def test_dense_prefill_attention(dtype, heads, kv_heads) -> None:
+    """Fresh long prompts go to cuDNN (keys gathered by slot); a cached prefix or a short prompt does not."""
+    q, k_cache, v_cache, meta = batch([(1024, 1024), (3001, 3001)], heads, kv_heads, dtype)
+    assert dense_prefill(q, meta)
+    with nan_poisoned_allocations():
+        out = dense_prefill_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert rel_err(out, paged_attention_ref(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)) < 1e-2
+    assert rel_err(paged_attention(q, k_cache, v_cache, meta, HEAD_DIM**-0.5), out) < 1e-6
+    for shapes in ([(1024, 1024), (3001, 2000)], [(1024, 1024), (1023, 1023)]):
+        assert not dense_prefill(*batch(shapes, heads, kv_heads, dtype)[::3])

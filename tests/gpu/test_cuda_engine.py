@@ -169,6 +169,7 @@ def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_d
 def test_the_servers_forked_worker_can_use_cuda() -> None:
     """`serve`'s process imports the app (xgrammar with it) before Granian forks the worker that loads
     the model: CUDA must still start there. A fresh interpreter, as `minillm serve` is."""
+    pytest.importorskip("starlette", reason="the server's packages (a GPU machine may carry only the engine's)")
     code = """if True:
         import os
         import app.cli, app.server  # what serve's process imports before the fork
