@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               num_speculative_tokens=args.num_speculative_tokens,
                                               speculative_gate=args.gated))}
     rows: list[dict[str, Any]] = []
+    exact = args.device == "cpu"
     for name, prompt in workloads.items():
         for batch in args.batches:
             params = requests(batch, args.max_tokens)
@@ -83,16 +84,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = [PLAIN, method]
             runs: dict[str, list[float]] = {PLAIN: [], method: []}
             drafted = accepted = tokens = 0
+            same = outputs[method] == outputs[PLAIN]
             for rep in range(args.reps):
                 for system in order if rep % 2 == 0 else order[::-1]:
                     seconds, count, ids, d, a = timed(engines[system], prompt, params)
-                    assert ids == outputs[PLAIN], f"{name} batch {batch}: {system}'s tokens differ"
+                    same = same and ids == outputs[PLAIN]
+                    # On CPU the kernels do not depend on the batch's shape, so the tokens must match; on a
+                    # GPU a verify step's rows take other kernels than a decode's (rounding may differ).
+                    assert same or not exact, f"{name} batch {batch}: {system}'s tokens differ"
                     runs[system].append(count / seconds)
                     tokens = count
                     drafted, accepted = drafted + d, accepted + a
             for system in order:
                 row = dict(workload=name, batch=batch, system=system, metric="tok_s", tokens=tokens, **spread(runs[system]))
                 if system == method:
+                    row["same_tokens"] = same
                     row["acceptance"] = round(accepted / drafted, 3) if drafted else None
                     row["speedup"] = round(row["value"] / rows[-1]["value"], 3)
                 rows.append(row)
@@ -105,11 +111,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    lines = ["| workload | batch | plain tok/s | speculative tok/s | x | acceptance |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | batch | plain tok/s | speculative tok/s | x | acceptance | same tokens |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     rows = doc["rows"]
     for plain, spec in zip(rows[::2], rows[1::2]):
         lines.append(f"| {plain['workload']} | {plain['batch']} | {plain['value']:,.1f} | {spec['value']:,.1f} | "
-                     f"{spec['speedup']:.2f} | {spec['acceptance']} |")
+                     f"{spec['speedup']:.2f} | {spec['acceptance']} | {'yes' if spec.get('same_tokens', True) else 'no'} |")
     return "\n".join(lines)
 
 
