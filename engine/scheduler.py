@@ -137,10 +137,11 @@ class Scheduler:
     def drafting(self) -> bool:
         """Whether the next schedule may give a decode drafts: then the engine reads the step in
         flight first, as drafts follow real ids. Not past max_draft_batch running sequences, nor
-        while every one waits out its misses (speculative.DraftState), nor while the gate is shut."""
+        while every one waits out its misses (speculative.DraftState) or has nothing it would likely
+        propose (Proposer.likely), nor while the gate is shut."""
         return (self.proposer is not None and len(self.running) <= self.max_draft_batch
                 and (self.gate is None or self.gate.open(len(self.running)))
-                and any(s.drafting is None or not s.drafting.skip for s in self.running))
+                and any((s.drafting is None or not s.drafting.skip) and self.proposer.likely(s) for s in self.running))
 
     def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
         """The decodes that may draft this step, each with its most drafts (before the step's token

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams, StructuredOutput
-from engine.sequence import Request, Sequence
+from engine.sequence import Request, Sequence, placeholder
 from engine.speculative import (MAX_PAUSE, MAX_SKIP, MIN_PAUSE, PATIENCE, PROBE_STEPS, WARM_STEPS, DraftState,
                                 NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted, max_batch)
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
@@ -40,6 +40,45 @@ def test_a_window_bounds_the_search() -> None:
     far = [1, 2, 3] + [9] * 20 + [1, 2]
     assert NgramProposer(2, window=30).lookup(far, 2) == [3, 9]
     assert NgramProposer(2, window=10).lookup(far, 2) == []
+
+
+def latest_earlier_ngram(tokens: list[int], k: int, max_n: int, min_n: int, window: int) -> list[int]:
+    """By brute force: what followed the latest earlier occurrence of the longest tail n-gram."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for i in range(length - n - 1, max(0, length - window) - 1, -1):
+            if tokens[i:i + n] == tokens[length - n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("window", [4096, 40])
+def test_a_sequences_index_proposes_what_a_scan_back_finds(window: int) -> None:
+    """Grown a token (or a few accepted drafts) at a time, as a decoding sequence is."""
+    rng = random.Random(window)
+    proposer = NgramProposer(num_tokens=4, window=window)
+    seq = sequence([rng.randrange(6) for _ in range(60)])
+    for _ in range(150):
+        assert proposer.propose(seq, 4) == latest_earlier_ngram(seq.token_ids, 4, 4, 2, window)
+        seq.token_ids += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        # With the next token still being sampled: whether the real ones have a proposal.
+        seq.token_ids.append(placeholder(0))
+        seq.num_placeholders = 1
+        assert proposer.likely(seq) == bool(latest_earlier_ngram(seq.token_ids[:-1], 1, 4, 2, window))
+        seq.token_ids.pop()
+        seq.num_placeholders = 0
+
+
+def test_suffix_likely_reads_only_the_real_tokens() -> None:
+    rng = random.Random(3)
+    proposer, seq = SuffixProposer(num_tokens=4), sequence([rng.randrange(5) for _ in range(30)])
+    for _ in range(60):
+        seq.token_ids.append(placeholder(0))
+        seq.num_placeholders = 1
+        expected = SuffixProposer(num_tokens=4).propose(sequence(seq.token_ids[:-1]), 1)
+        assert proposer.likely(seq) == bool(expected)
+        seq.token_ids[-1] = rng.randrange(5)
+        seq.num_placeholders = 0
 
 
 def first_earlier_repeat(tokens: list[int], k: int, min_match: int) -> list[int]:
