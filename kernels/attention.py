@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from kernels.decode_attention import decode_attention_triton, num_splits_for
 from kernels.dispatch import to_device, use_triton
 from kernels.prefill_attention import prefill_attention_triton
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,7 +159,11 @@ def paged_attention(
         return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
                                        meta.fresh)
     if dense_prefill(q, meta):
-        return dense_prefill_attention(q, k_cache, v_cache, meta, scale)
+        try:
+            return dense_prefill_attention(q, k_cache, v_cache, meta, scale)
+        except RuntimeError as e:  # raised before any launch: cuDNN has no kernel for this build or shape
+            _dense_off.add(q.device)
+            log.warning("cuDNN attention failed (%s); long prompts take the Triton prefill kernel from now on", e)
     return prefill_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                     max(meta.query_lens_cpu), scale)
 
@@ -165,6 +172,7 @@ def paged_attention(
 # on Hopper: 645 against our kernel's 991 µs a layer at 8,192 tokens on the 1B heads, 61 against 79
 # at 2,048 (docs/performance.md). Cached prefixes, short chunks and CUDA graphs keep our kernel.
 DENSE_MIN_TOKENS = 1024
+_dense_off: set[torch.device] = set()  # devices where cuDNN refused once: the Triton kernel serves them
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +185,8 @@ def dense_prefill(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     prompt (no cached or earlier keys) of DENSE_MIN_TOKENS or more, half-precision heads cuDNN takes."""
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
             and min(meta.query_lens_cpu) >= DENSE_MIN_TOKENS and meta.query_lens_cpu == meta.seq_lens_cpu
-            and not torch.cuda.is_current_stream_capturing() and _cudnn_attention(q.device))
+            and not torch.cuda.is_current_stream_capturing() and q.device not in _dense_off
+            and _cudnn_attention(q.device))
 
 
 def dense_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -1,9 +1,11 @@
 """Paged attention's torch reference against plain causal attention over contiguous keys."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels import attention
+from kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
 from kernels.decode_attention import num_splits_for
 
 CPU = torch.device("cpu")
@@ -65,3 +67,21 @@ def test_metadata_for_a_decode_graph_reads_its_static_buffers() -> None:
     assert meta.fresh is fresh
     assert meta.decode_only and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert meta.num_splits == num_splits_for(4, 8, CPU) == 9
+
+
+def test_a_prompt_cudnn_refuses_takes_the_triton_kernel(triton_interpreter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's attention (long fresh prompts on Hopper) raising before it launches is no failed
+    request: that prompt and every later one on the device go to the Triton prefill kernel."""
+    def refuse(*args) -> torch.Tensor:
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(attention, "dense_prefill", lambda q, meta: q.device not in attention._dense_off)
+    monkeypatch.setattr(attention, "dense_prefill_attention", refuse)
+    monkeypatch.setattr(attention, "_dense_off", set())
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 2, 16, 2, 16, generator=gen)  # K and V: [blocks, block size, KV heads, D]
+    q = torch.randn(20, 4, 16, generator=gen)
+    meta = AttentionMetadata.from_host(list(range(20)), [20], [20], [[0, 1]], 2, CPU)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert attention._dense_off == {CPU}
+    torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, meta, 0.25), atol=1e-5, rtol=1e-5)
