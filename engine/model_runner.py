@@ -43,7 +43,7 @@ PREFILL_GRAPH_ROWS = 64  # logit rows it computes (a row per sample, drafts incl
 
 def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """The KV cache slots of positions start..end-1, a block's run at a time; a long prompt's through
-    numpy (8,192 tokens: 0.1 against 0.7 ms, all before its first kernel)."""
+    numpy, as they are built before its first kernel launches."""
     first = start // block_size
     if end - start > 4 * block_size:
         blocks = np.asarray(block_table[first : (end - 1) // block_size + 1], dtype=np.int64) * block_size

@@ -169,8 +169,8 @@ def paged_attention(
 
 
 # Fresh prompts of at least this many tokens each take cuDNN's fused attention through torch's SDPA
-# on Hopper: 645 against our kernel's 991 µs a layer at 8,192 tokens on the 1B heads, 61 against 79
-# at 2,048 (docs/performance.md). Cached prefixes, short chunks and CUDA graphs keep our kernel.
+# on Hopper, faster there than our paged kernel (docs/performance.md). Cached prefixes, short chunks
+# and CUDA graphs keep our kernel.
 DENSE_MIN_TOKENS = 1024
 _dense_off: set[torch.device] = set()  # devices where cuDNN refused once: the Triton kernel serves them
 

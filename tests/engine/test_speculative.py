@@ -27,19 +27,19 @@ LIST = "Repeat this list twice: apples, pears, plums, cherries, apricots, peache
 
 def test_lookup_takes_what_followed_the_latest_match_of_the_longest_tail() -> None:
     proposer = NgramProposer(num_tokens=3, max_n=3, min_n=2)
-    assert proposer.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert proposer.propose(sequence([1, 2, 3, 4, 9, 1, 2, 3]), 3) == [4, 9, 1]
     # The latest earlier occurrence wins, and a 3-gram before a 2-gram.
-    assert proposer.lookup([5, 2, 3, 7, 1, 2, 3, 8, 0, 2, 3], 2) == [8, 0]
-    assert proposer.lookup([1, 2, 3, 6, 7, 0, 2, 3], 3) == [6, 7, 0]
-    assert proposer.lookup([4, 5, 6, 7], 3) == []  # no earlier occurrence
-    assert proposer.lookup([1, 2, 1, 2], 0) == []
-    assert proposer.lookup([1, 2, 5, 1, 2], 3) == [5, 1, 2]  # stops at the end of what is known
+    assert proposer.propose(sequence([5, 2, 3, 7, 1, 2, 3, 8, 0, 2, 3]), 2) == [8, 0]
+    assert proposer.propose(sequence([1, 2, 3, 6, 7, 0, 2, 3]), 3) == [6, 7, 0]
+    assert proposer.propose(sequence([4, 5, 6, 7]), 3) == []  # no earlier occurrence
+    assert proposer.propose(sequence([1, 2, 1, 2]), 0) == []
+    assert proposer.propose(sequence([1, 2, 5, 1, 2]), 3) == [5, 1, 2]  # stops at the end of what is known
 
 
 def test_a_window_bounds_the_search() -> None:
     far = [1, 2, 3] + [9] * 20 + [1, 2]
-    assert NgramProposer(2, window=30).lookup(far, 2) == [3, 9]
-    assert NgramProposer(2, window=10).lookup(far, 2) == []
+    assert NgramProposer(2, window=30).propose(sequence(far), 2) == [3, 9]
+    assert NgramProposer(2, window=10).propose(sequence(far), 2) == []
 
 
 def latest_earlier_ngram(tokens: list[int], k: int, max_n: int, min_n: int, window: int) -> list[int]:
