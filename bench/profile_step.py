@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, default=0,
                         help="every decode carries this many draft tokens (a verify step), whatever is accepted")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     parser.add_argument("--rows", type=int, default=8, help="kernels listed per table, by total time")
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
@@ -66,15 +67,16 @@ def main() -> None:
         runner = engine.runner
         forward, find = runner.forward, runner._prefill_graph_for
 
-        def traced(step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+        def traced(step: StepInputs, prev: torch.Tensor | None, rows: list | None = None) -> torch.Tensor | None:
             runs.append(f"decode graph {step.graph_batch}" if step.graph_batch is not None
                         else "prefill graph" if find(step, prev) is not None else "eager")
-            return forward(step, prev)
+            return forward(step, prev, rows)
         runner.forward = traced
     engine.warm_up()
     for batch in args.batches:
         # Timed steps, then profiled ones; a verify step may emit all its drafts.
-        params = SamplingParams(temperature=0, max_tokens=(2 * args.steps + 20) * (args.drafts + 1), ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=(2 * args.steps + 20) * (args.drafts + 1),
+                                ignore_eos=True)
         for i in range(batch):
             engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
         while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):

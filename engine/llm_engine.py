@@ -347,10 +347,15 @@ class LLMEngine:
                 s.seq.request.first_scheduled_time = now
         # A captured decode step holds no prompt position before a prompt's last: no loop over its batch.
         targets = self._prompt_logprob_rows(out, step) if step.graph_batch is None else None
-        logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None and prev.sampling else None)
+        sampling = [s for s in out.scheduled if s.samples]
+        rows = [row for s in sampling for row in self.runner.sample_rows(s)]
+        # Unconstrained steps sample now (a decode graph draws plain rows itself); a step with a grammar
+        # row waits for its masks.
+        constrained = any(s.seq.request.params.structured is not None for s in sampling)
+        logits = self.runner.launch(step, prev.sampled.token_ids if prev is not None and prev.sampling else None,
+                                    None if constrained else rows)
         if logits is None:
             return None
-        sampling = [s for s in out.scheduled if s.samples]
         prompt = None
         if targets is not None:
             ids, num_top, spans = targets
@@ -359,9 +364,6 @@ class LLMEngine:
             logits = logits[:sampled_rows]
             if not sampling:
                 return _InFlight([], [], SamplerOutput(logits.new_empty(0, dtype=torch.int64)), prompt=prompt)
-        rows = [row for s in sampling for row in self.runner.sample_rows(s)]
-        # Unconstrained steps sample now; a step with a grammar row waits for its masks.
-        constrained = any(s.seq.request.params.structured is not None for s in sampling)
         sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
         row = 0

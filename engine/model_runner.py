@@ -30,6 +30,7 @@ from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import pinned, programmatic_launches, to_device
+from kernels.sampling import gumbel_argmax_triton
 
 log = logging.getLogger("minillm.engine")
 
@@ -89,9 +90,9 @@ class _DecodeGraph:
     def __init__(self, runner: "ModelRunner", batch: int, pool: object) -> None:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
-        # Input ids (placeholders included), positions, slots, lengths and each row's first key written
-        # this step: one buffer, one copy a step.
-        self.inputs = torch.zeros(5, batch, dtype=torch.int64, device=dev)
+        # Input ids (placeholders included), positions, slots, lengths, each row's first key written
+        # this step, and its draw (noise keys, temperature as float32 bits): one buffer, one copy a step.
+        self.inputs = torch.zeros(8, batch, dtype=torch.int64, device=dev)
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
@@ -101,26 +102,34 @@ class _DecodeGraph:
         self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
         self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
                                                        runner.model.num_kv_heads, self.fresh)
-        model, kv = runner.model, runner.kv_cache
+        model, kv, vocab = runner.model, runner.kv_cache, runner.sampler.vocab_size
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
 
         def forward() -> torch.Tensor:
             self.seq_lens.copy_(self.inputs[3])
             self.fresh.copy_(self.inputs[4])
             ids = resolve_placeholders(self.input_ids, self.prev_tokens)
-            return model.compute_logits(model(ids, self.positions, kv, self.meta))
+            logits = model.compute_logits(model(ids, self.positions, kv, self.meta))
+            # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
+            self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5:7].t())
+            return logits
 
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
             self.graph, self.logits = capture(forward, pool)
 
-    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int) -> torch.Tensor:
-        """Load this step's inputs into the static buffers, replay, return the first n rows' logits."""
+    def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int,
+            draws: tuple[list[float], list[tuple[int, int]]] | None = None) -> torch.Tensor:
+        """Load this step's inputs (and its rows' draws, else greedy ones) into the static buffers,
+        replay, return the first n rows' logits (their drawn ids in self.drawn[:n])."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
         fresh = step.positions if step.fresh is None else step.fresh  # a decode's first new key: its own
+        temperatures, keys = draws or ([0.0] * n, [(0, 0)] * n)
+        bits = np.asarray(temperatures, dtype=np.float32).view(np.int32).tolist()
         host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
-                       step.seq_lens + [1] * pad, fresh + [0] * pad], torch.int64)
+                       step.seq_lens + [1] * pad, fresh + [0] * pad, [k for k, _ in keys] + [0] * pad,
+                       [k for _, k in keys] + [0] * pad, bits + [0] * pad], torch.int64)
         self.inputs.copy_(host, non_blocking=True)
         copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
@@ -218,6 +227,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         model.init_rope(max_model_len)
         self.sampler = Sampler(sample_vocab_size)
+        self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode graph's logits and the ids it drew
         self.graphs: dict[int, _DecodeGraph] = {}
         self.prefill_graphs: dict[int, _PrefillGraph] = {}  # by token count
         # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
@@ -244,12 +254,14 @@ class ModelRunner:
         return to_device(data, dtype, self.device)
 
     @torch.inference_mode()
-    def launch(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+    def launch(self, step: StepInputs, prev: torch.Tensor | None, rows: list[SampleRow] | None = None
+               ) -> torch.Tensor | None:
         """Launch a prepared step's forward; the logits of the rows that sample, or None if none does.
-        `prev` holds the sampled ids of the step still in flight, which the placeholders name."""
+        `prev` holds the sampled ids of the step still in flight, which the placeholders name. With
+        `rows` (what `sample` will be given, unmasked), a decode graph draws them itself where it can."""
         if self.publish is not None:
             self.publish(step)
-        return self.forward(step, prev)
+        return self.forward(step, prev, rows)
 
     @torch.inference_mode()
     def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], num_top: list[int]) -> SamplerOutput:
@@ -260,8 +272,13 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Launch the sampling of launch's logits (one row per sampling sequence, in order) and the
-        copy of the ids to the host; the other ranks take them too, for their next placeholders."""
-        sampled = self.sampler(logits, rows, mask)
+        copy of the ids to the host; the other ranks take them too, for their next placeholders.
+        Rows the decode graph drew (launch's rows) are only read."""
+        drawn, self._drawn = self._drawn, None
+        if drawn is not None and drawn[0] is logits and mask is None:
+            sampled = self.sampler.drawn(logits, drawn[1], rows)
+        else:
+            sampled = self.sampler(logits, rows, mask)
         self.model.tp.broadcast(sampled.token_ids)
         sampled.start_copy()
         return sampled
@@ -329,16 +346,25 @@ class ModelRunner:
             step.block_tables += [s.seq.block_table] * n
             step.fresh += [start] * n
 
-    def forward(self, step: StepInputs, prev: torch.Tensor | None) -> torch.Tensor | None:
+    def forward(self, step: StepInputs, prev: torch.Tensor | None, rows: list[SampleRow] | None = None
+                ) -> torch.Tensor | None:
         """The step's forward on this rank: logits of its sampled rows then its prompt rows, or None
-        if it has neither. `prev` holds the previous step's sampled ids, which the placeholders name."""
+        if it has neither. `prev` holds the previous step's sampled ids, which the placeholders name;
+        `rows`, if given, are its sampled rows (a decode graph draws them if Sampler.draws says so)."""
+        self._drawn = None
         for src, dst in step.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         graph = self.graphs[step.graph_batch] if step.graph_batch is not None else self._prefill_graph_for(step, prev)
         if graph is not None:
             if prev is not None:  # every graph reads its placeholders' ids from prev_tokens
                 self.prev_tokens[: len(prev)].copy_(prev)
-            return graph.run(step, self.scratch_slot, self.scratch_block)
+            if not isinstance(graph, _DecodeGraph):
+                return graph.run(step, self.scratch_slot, self.scratch_block)
+            draws = self.sampler.draws(rows, graph.logits.shape[-1]) if rows else None
+            logits = graph.run(step, self.scratch_slot, self.scratch_block, draws)
+            if draws is not None:
+                self._drawn = (logits, graph.drawn[: len(logits)])
+            return logits
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
                                            self.model.num_kv_heads, self.device, step.fresh)
         ids = self._tensor(step.input_ids, torch.int64)

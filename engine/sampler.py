@@ -17,7 +17,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from kernels.dispatch import to_device
-from kernels.sampling import gumbel_noise
+from kernels.sampling import gumbel_argmax, row_key
 from kernels.token_mask import apply_token_mask as token_mask
 
 
@@ -178,26 +178,29 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tens
     return torch.empty_like(logits).scatter_(-1, order, ordered)
 
 
-def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """scores.argmax(dim=-1) for [B, V] float scores, the first index of each row's maximum. A row is
-    cut into up to 256 equal chunks first, on every device (same result, one code path): on a GPU
-    torch reduces one row with one thread block, slow over a 128k vocabulary; two passes over chunks
-    spread it over the SMs (docs/performance.md)."""
-    rows, vocab = scores.shape
-    chunks = next((c for c in (256, 128, 64, 32, 16) if vocab % c == 0), 1)
-    if chunks == 1:
-        return scores.argmax(dim=-1)
-    best, within = scores.view(rows, chunks, vocab // chunks).max(dim=-1)  # each chunk's first maximum
-    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
-    return (chunk * (vocab // chunks) + within.gather(1, chunk)).squeeze(1)
+def _filters(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether a sampled row keeps only part of the vocabulary (min_p, top_k or top_p)."""
+    return params.min_p > 0 or 0 < params.top_k < vocab_size or params.top_p < 1.0
 
 
-def _draw(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Gumbel-max for non-greedy rows: argmax of the filtered logits / temperature plus seeded noise."""
-    device = scores.device
-    scaled = scores / _column([row.params.temperature for row in rows], device)
-    noise = gumbel_noise([row.seed for row in rows], [row.counter for row in rows], scores.shape[-1], device)
-    return argmax_rows(apply_filters(scaled, rows) + noise)
+def _filtered(scores: torch.Tensor, rows: Sequence[SampleRow], temperatures: list[float]) -> torch.Tensor:
+    """Scores with the filtering rows divided by their temperature and filtered (apply_filters); their
+    temperatures become 1, so the draw adds the noise to them unscaled. Others as they are."""
+    index = [i for i, row in enumerate(rows) if temperatures[i] > 0 and _filters(row.params, scores.shape[-1])]
+    if not index:
+        return scores
+    at = to_device(index, torch.int64, scores.device)
+    scaled = scores[at] / _column([temperatures[i] for i in index], scores.device)
+    scores = scores.clone()  # the raw logits stay for the logprobs
+    scores[at] = apply_filters(scaled, [rows[i] for i in index])
+    for i in index:
+        temperatures[i] = 1.0
+    return scores
+
+
+def _keys(rows: Sequence[SampleRow]) -> list[tuple[int, int]]:
+    """Each row's noise keys (none for greedy rows)."""
+    return [row_key(row.seed, row.counter) if row.params.temperature > 0 else (0, 0) for row in rows]
 
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
@@ -237,12 +240,22 @@ class Sampler:
         rows that `mask` names only among their allowed tokens."""
         raw = logits[:, : self.vocab_size]
         scores = apply_penalties(apply_logit_bias(apply_token_mask(raw, mask), rows), rows)
-        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if sampled and len(sampled) == len(rows):
-            token_ids = _draw(scores, rows)
-        else:
-            token_ids = argmax_rows(scores)
-            if sampled:
-                index = to_device(sampled, torch.int64, logits.device)
-                token_ids[index] = _draw(scores[index], [rows[i] for i in sampled])
-        return _logprobs(raw, token_ids, rows)
+        temperatures = [row.params.temperature for row in rows]
+        scores = _filtered(scores, rows, temperatures)
+        return _logprobs(raw, gumbel_argmax(scores, temperatures, _keys(rows)), rows)
+
+    def draws(self, rows: Sequence[SampleRow], vocab_size: int) -> tuple[list[float], list[tuple[int, int]]] | None:
+        """Where every row is a plain draw (greedy, or a temperature alone: no bias, penalties or
+        filters), each row's temperature and noise keys, with which kernels/sampling.py's
+        gumbel_argmax_triton picks what this sampler would (a decode graph draws by itself);
+        else None. vocab_size: the logits' width before the tokenizer's cut."""
+        vocab = min(vocab_size, self.vocab_size or vocab_size)
+        for row in rows:
+            params = row.params
+            if params.logit_bias or params.penalized or (params.temperature > 0 and _filters(params, vocab)):
+                return None
+        return [row.params.temperature for row in rows], _keys(rows)
+
+    def drawn(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """The output for rows whose tokens were drawn elsewhere (draws): their logprobs, if asked."""
+        return _logprobs(logits[:, : self.vocab_size], token_ids, rows)

@@ -7,8 +7,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties, argmax_rows
-from kernels.sampling import gumbel_noise
+from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties
+from kernels.sampling import argmax_rows, gumbel_noise
 from engine.sampling_params import SamplingParams
 
 sampler = Sampler()

@@ -190,9 +190,9 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
                        speculative_max_batch=8, speculative_gate=True)
     now, forward = [0.0], slow.runner.forward
 
-    def timed(step, prev):
+    def timed(step, prev, rows=None):
         now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
-        return forward(step, prev)
+        return forward(step, prev, rows)
     slow.runner.forward, slow.clock = timed, lambda: now[0]
     [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert len(result.token_ids) == 100

@@ -58,18 +58,25 @@ def test_llama_1b_shape_runs_in_bfloat16() -> None:
           f"= {8 * 64 / elapsed:.0f} tok/s")
 
 
-def test_cuda_graph_decode_matches_eager_steps() -> None:
-    """Graph replay gives exactly the eager steps' tokens (same batch shapes, so the same GEMMs).
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.8), dict(temperature=0.8, top_p=0.9)],
+                         ids=["greedy", "seeded", "top-p"])
+def test_cuda_graph_decode_matches_eager_steps(params: dict) -> None:
+    """Graph replay gives exactly the eager steps' tokens (same batch shapes, so the same GEMMs), the
+    graph drawing greedy and plain seeded rows itself and leaving filtered ones to the sampler.
     Padding rows are covered by the tiny models above: 3 prompts replay the 4-row graph."""
     prompts = [list(range(10 + 3 * i, 50 + 7 * i)) for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampling = [SamplingParams(**params, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     config = dict(model="random:llama-3.2-1b", device="cuda", kv_cache_memory="2GiB", max_num_seqs=8)
     graphed = LLMEngine(EngineConfig(**config))
     assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
     graphed.runner.prefill_graphs.clear()  # the same prefill GEMMs as the eager engine's (their own test below)
+    drawn, read = [], graphed.runner.sampler.drawn
+    graphed.runner.sampler.drawn = lambda *args: (drawn.append(1), read(*args))[1]
     eager = LLMEngine(EngineConfig(**config, cuda_graphs=False))
     assert not eager.runner.graphs
-    assert [r.token_ids for r in graphed.generate(prompts, params)] == [r.token_ids for r in eager.generate(prompts, params)]
+    got = [r.token_ids for r in graphed.generate(prompts, sampling)]
+    assert got == [r.token_ids for r in eager.generate(prompts, sampling)]
+    assert bool(drawn) == ("top_p" not in params)
 
 
 def test_prefill_graphs_match_eager_steps() -> None:

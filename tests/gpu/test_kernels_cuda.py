@@ -1,4 +1,4 @@
-"""The Triton RMSNorm, SiLU·mul and RoPE + KV-write kernels against their torch references on a CUDA
+"""The Triton RMSNorm, SiLU·mul, RoPE + KV-write and sampling kernels against their torch references on a CUDA
 GPU, at a Llama-3.2-1B layer's sizes (run through the device tool; skipped without a GPU)."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kernels.activation import silu_mul_ref, silu_mul_triton
 from kernels.dispatch import use_triton
 from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv_ref, rope_store_kv_triton
+from kernels.sampling import gumbel_argmax, gumbel_argmax_ref, row_key
 from tests.kernels.conftest import nan_poisoned_allocations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -125,3 +126,17 @@ def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
     flat = (-1, KV_HEADS, HEAD_DIM)
     assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
     assert torch.equal(v_cache.view(flat)[slots], v_ref.view(flat)[slots])
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gumbel_argmax(vocab: int, batch: int) -> None:
+    """The fused sampling kernel picks what its torch reference picks: greedy and sampled rows over
+    strided logits, and over flat scores, where the noise alone decides."""
+    logits = 3 * torch.randn(batch, vocab + 64, device="cuda")[:, :vocab]
+    temperatures = [0.0 if i % 3 == 1 else 0.5 + (i % 5) * 0.3 for i in range(batch)]
+    keys = [row_key(1000 + i, 7 * i) if t > 0 else (0, 0) for i, t in enumerate(temperatures)]
+    assert torch.equal(gumbel_argmax(logits, temperatures, keys), gumbel_argmax_ref(logits, temperatures, keys))
+    flat = torch.zeros(batch, vocab, device="cuda")
+    noise_keys = [row_key(i, 3) for i in range(batch)]
+    assert torch.equal(gumbel_argmax(flat, [1.0] * batch, noise_keys), gumbel_argmax_ref(flat, [1.0] * batch, noise_keys))
