@@ -157,9 +157,10 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> its latest end (exclusive)
         self.indexed = start  # n-grams ending at or before it are in `ends`
 
-    def lookup(self, token_ids: Tokens[int], length: int, k: int, window: int) -> list[int]:
+    def lookup(self, token_ids: Tokens[int], length: int, k: int, window: int, min_n: int | None = None) -> list[int]:
         """The k tokens (or fewer) after the latest earlier occurrence of the last n of token_ids'
-        first `length` (the longest n first) that starts within `window` of its end."""
+        first `length` (the longest n first, down to min_n, by default the index's) that starts
+        within `window` of its end."""
         # Every n-gram that ends before the last token: an occurrence must leave a token to follow.
         for n in range(self.min_n, self.max_n + 1):
             first = max(self.indexed + 1, self.start + n)  # the first new end of an n-gram
@@ -167,7 +168,7 @@ class NgramIndex:
                 part = list(token_ids[first - n:length - 1])
                 self.ends.update(zip(zip(*(part[i:] for i in range(n))), range(first, length)))  # later ends win
         self.indexed = max(self.indexed, length - 1)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+        for n in range(min(self.max_n, length - 1), max(self.min_n, min_n or 0) - 1, -1):
             end = self.ends.get(tuple(token_ids[length - n:length]))
             if end is not None and end - n >= length - window:
                 return list(token_ids[end:end + k])
@@ -176,7 +177,10 @@ class NgramIndex:
 
 class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
-    n tokens (n from max_n down to min_n), in its prompt and output (an NgramIndex a sequence)."""
+    n tokens (n from max_n down to min_n), in its prompt and output (an NgramIndex a sequence).
+    Each proposal of a sequence's that the target rejected whole asks one token more of the next
+    match (up to max_n), until a draft is accepted: chat repeats short n-grams that predict
+    nothing, and a proposal that is likely (`likely`) costs a step that waits for the one before."""
 
     def __init__(self, num_tokens: int, max_n: int = 4, min_n: int = 2, window: int = 4096) -> None:
         self.num_tokens = num_tokens
@@ -188,10 +192,16 @@ class NgramProposer(Proposer):
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(num_tokens, limit) draft tokens to follow seq's tokens, or none."""
         k = min(self.num_tokens, limit)
-        return self._index(seq).lookup(seq.token_ids, len(seq.token_ids), k, self.window) if k > 0 else []
+        if k <= 0:
+            return []
+        return self._index(seq).lookup(seq.token_ids, len(seq.token_ids), k, self.window, self._min_n(seq))
 
     def likely(self, seq: Sequence) -> bool:
-        return bool(self._index(seq).lookup(seq.token_ids, seq.num_real_tokens, 1, self.window))
+        return bool(self._index(seq).lookup(seq.token_ids, seq.num_real_tokens, 1, self.window, self._min_n(seq)))
+
+    def _min_n(self, seq: Sequence) -> int:
+        """The shortest match seq's next proposal may come from: longer after rejected proposals."""
+        return min(self.min_n + (seq.drafting.misses if seq.drafting is not None else 0), self.max_n)
 
     def _index(self, seq: Sequence) -> NgramIndex:
         index = self._indexes.get(seq)

@@ -69,6 +69,21 @@ def test_a_sequences_index_proposes_what_a_scan_back_finds(window: int) -> None:
         seq.num_placeholders = 0
 
 
+def test_rejected_proposals_ask_for_longer_matches() -> None:
+    """After each proposal rejected whole, the next needs a match one token longer (up to max_n)."""
+    proposer = NgramProposer(num_tokens=2, max_n=4, min_n=2)
+    seq = sequence([7, 1, 2, 3, 8, 5, 2, 3])  # only the bigram (2, 3) occurred before
+    assert proposer.propose(seq, 2) == [8, 5] and proposer.likely(seq)
+    seq.drafting = DraftState(2)
+    seq.drafting.record(2, 0, 2)  # rejected whole: a trigram now
+    assert proposer.propose(seq, 2) == [] and not proposer.likely(seq)
+    seq.token_ids[5] = 1  # ... 1, 2, 3 repeats: a trigram match
+    assert proposer.propose(seq, 2) == [8, 1]
+    seq.drafting.record(2, 1, 2)  # accepted: bigrams again
+    seq.token_ids[5] = 5
+    assert seq.drafting.misses == 0 and proposer.propose(seq, 2) == [8, 5]
+
+
 def test_suffix_likely_reads_only_the_real_tokens() -> None:
     rng = random.Random(3)
     proposer, seq = SuffixProposer(num_tokens=4), sequence([rng.randrange(5) for _ in range(30)])
@@ -185,7 +200,7 @@ def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
 def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
     a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
-    by a longer pause: at most three in 100 tokens."""
+    by a longer pause: at most three in 160 tokens."""
     slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
                        speculative_max_batch=8, speculative_gate=True)
     now, forward = [0.0], slow.runner.forward
@@ -194,8 +209,8 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
         now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
         return forward(step, prev, rows)
     slow.runner.forward, slow.clock = timed, lambda: now[0]
-    [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-    assert len(result.token_ids) == 100
+    [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
+    assert len(result.token_ids) == 160
     pace = slow.scheduler.gate.paces[1]
     assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 4 * MIN_PAUSE  # paused twice or more
     assert 0 < slow.stats().draft_tokens <= 4 * 3 * PROBE_STEPS
