@@ -152,8 +152,8 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: each row's arrived
 
 def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): temperatures
-    [B] float32 (or int64 holding float32 bits), keys [B, 2] int64 (any strides). The counters are
-    made on a first call, before any capture; the largest batch comes first."""
+    [B] float32 (or int64 holding float32 bits), keys [B, 2] int64 (any strides). The per-row
+    counters are made on a first call, which precedes any capture (graphs are warmed up first)."""
     rows, vocab = scores.shape
     device = scores.device
     # About eight programs per SM over the batch (each loads a 4 KB block at a time), each at least
@@ -162,8 +162,8 @@ def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, keys:
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), 1024) * 1024
     chunks = triton.cdiv(vocab, chunk)
     counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < rows:
-        counts = _COUNTS[device] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+    if counts is None or counts.numel() < rows:  # 64k rows: never outgrown once a graph holds them
+        counts = _COUNTS[device] = torch.zeros(max(rows, 1 << 16), dtype=torch.int32, device=device)
     part_val = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     out = torch.empty(rows, dtype=torch.int64, device=device)
