@@ -91,7 +91,7 @@ class _DecodeGraph:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
         # Input ids (placeholders included), positions, slots, lengths, each row's first key written
-        # this step, and its draw (noise keys, temperature as float32 bits): one buffer, one copy a step.
+        # this step, and its draw (seed, counter, temperature as float32 bits): one buffer, one copy a step.
         self.inputs = torch.zeros(8, batch, dtype=torch.int64, device=dev)
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
@@ -111,25 +111,25 @@ class _DecodeGraph:
             ids = resolve_placeholders(self.input_ids, self.prev_tokens)
             logits = model.compute_logits(model(ids, self.positions, kv, self.meta))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
-            self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5:7].t())
+            self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6])
             return logits
 
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
             self.graph, self.logits = capture(forward, pool)
 
     def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int,
-            draws: tuple[list[float], list[tuple[int, int]]] | None = None) -> torch.Tensor:
+            draws: tuple[list[float], list[int], list[int]] | None = None) -> torch.Tensor:
         """Load this step's inputs (and its rows' draws, else greedy ones) into the static buffers,
         replay, return the first n rows' logits (their drawn ids in self.drawn[:n])."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
         fresh = step.positions if step.fresh is None else step.fresh  # a decode's first new key: its own
-        temperatures, keys = draws or ([0.0] * n, [(0, 0)] * n)
+        temperatures, seeds, counters = draws or ([0.0] * n, [0] * n, [0] * n)
         bits = np.asarray(temperatures, dtype=np.float32).view(np.int32).tolist()
         host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
-                       step.seq_lens + [1] * pad, fresh + [0] * pad, [k for k, _ in keys] + [0] * pad,
-                       [k for _, k in keys] + [0] * pad, bits + [0] * pad], torch.int64)
+                       step.seq_lens + [1] * pad, fresh + [0] * pad, seeds + [0] * pad, counters + [0] * pad,
+                       bits + [0] * pad], torch.int64)
         self.inputs.copy_(host, non_blocking=True)
         copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()

@@ -17,7 +17,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from kernels.dispatch import to_device
-from kernels.sampling import gumbel_argmax, row_key
+from kernels.sampling import gumbel_argmax, int64_seeds
 from kernels.token_mask import apply_token_mask as token_mask
 
 
@@ -198,11 +198,6 @@ def _filtered(scores: torch.Tensor, rows: Sequence[SampleRow], temperatures: lis
     return scores
 
 
-def _keys(rows: Sequence[SampleRow]) -> list[tuple[int, int]]:
-    """Each row's noise keys (none for greedy rows)."""
-    return [row_key(row.seed, row.counter) if row.params.temperature > 0 else (0, 0) for row in rows]
-
-
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     """The sampled tokens with, for rows that ask, their raw-distribution logprob and top tokens."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
@@ -242,19 +237,21 @@ class Sampler:
         scores = apply_penalties(apply_logit_bias(apply_token_mask(raw, mask), rows), rows)
         temperatures = [row.params.temperature for row in rows]
         scores = _filtered(scores, rows, temperatures)
-        return _logprobs(raw, gumbel_argmax(scores, temperatures, _keys(rows)), rows)
+        token_ids = gumbel_argmax(scores, temperatures, [row.seed for row in rows], [row.counter for row in rows])
+        return _logprobs(raw, token_ids, rows)
 
-    def draws(self, rows: Sequence[SampleRow], vocab_size: int) -> tuple[list[float], list[tuple[int, int]]] | None:
+    def draws(self, rows: Sequence[SampleRow], vocab_size: int) -> tuple[list[float], list[int], list[int]] | None:
         """Where every row is a plain draw (greedy, or a temperature alone: no bias, penalties or
-        filters), each row's temperature and noise keys, with which kernels/sampling.py's
-        gumbel_argmax_triton picks what this sampler would (a decode graph draws by itself);
+        filters), each row's temperature, seed (kernels/sampling.py's int64_seeds) and counter, with
+        which gumbel_argmax_triton picks what this sampler would (a decode graph draws by itself);
         else None. vocab_size: the logits' width before the tokenizer's cut."""
         vocab = min(vocab_size, self.vocab_size or vocab_size)
         for row in rows:
             params = row.params
             if params.logit_bias or params.penalized or (params.temperature > 0 and _filters(params, vocab)):
                 return None
-        return [row.params.temperature for row in rows], _keys(rows)
+        return ([row.params.temperature for row in rows], int64_seeds([row.seed for row in rows]),
+                [row.counter for row in rows])
 
     def drawn(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """The output for rows whose tokens were drawn elsewhere (draws): their logprobs, if asked."""

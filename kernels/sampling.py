@@ -20,7 +20,8 @@ from triton.language.extra import libdevice
 from kernels.dispatch import sm_count, to_device, use_triton
 
 _MASK32 = 0xFFFFFFFF
-# Round constants for the per-row keys; any distinct values do.
+_MASK64 = (1 << 64) - 1
+# Round constants for the per-row keys; any distinct values do (_row_key spells them out too).
 _KEY1, _KEY2 = 0x3C6EF372, 0x1B873593
 _Int = TypeVar("_Int", int, torch.Tensor)
 
@@ -37,24 +38,20 @@ def _mix32(x: _Int) -> _Int:
 
 def row_key(seed: int, counter: int) -> tuple[int, int]:
     """A row's two 32-bit hash keys, standing for (seed, counter): every bit of either input feeds
-    both keys."""
-    seed &= (1 << 64) - 1  # negative or huge seeds: use their low 64 bits
+    both keys (the kernel derives them itself: _row_key)."""
+    seed &= _MASK64  # negative or huge seeds: use their low 64 bits
     key = _mix32(_mix32(_mix32((seed & _MASK32) ^ _KEY1) ^ (seed >> 32)) ^ (counter & _MASK32))
     return key, _mix32(key ^ _KEY2)
 
 
-def _noise_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 standard Gumbel noise from keys [B, 2] int64."""
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+def gumbel_noise_ref(seeds: Sequence[int], counters: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 standard Gumbel noise; entry (r, v) depends only on (seeds[r], counters[r], v)."""
+    keys = to_device([row_key(s, c) for s, c in zip(seeds, counters)], torch.int64, device)
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=device)
     bits = _mix32(_mix32(vocab ^ keys[:, :1]) ^ keys[:, 1:])
     # 23 bits -> u = (2k + 1) / 2**24: exact in float32 and strictly inside (0, 1).
     u = ((bits >> 9) * 2 + 1).to(torch.float32) / float(1 << 24)
     return -torch.log(-torch.log(u))
-
-
-def gumbel_noise_ref(seeds: Sequence[int], counters: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32 standard Gumbel noise; entry (r, v) depends only on (seeds[r], counters[r], v)."""
-    return _noise_from_keys(to_device([row_key(s, c) for s, c in zip(seeds, counters)], torch.int64, device), vocab_size)
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -71,8 +68,8 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return (chunk * (vocab // chunks) + within.gather(1, chunk)).squeeze(1)
 
 
-def gumbel_argmax_ref(scores: torch.Tensor, temperatures: Sequence[float], keys: Sequence[tuple[int, int]]
-                      ) -> torch.Tensor:
+def gumbel_argmax_ref(scores: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
+                      counters: Sequence[int]) -> torch.Tensor:
     """Torch reference of gumbel_argmax: greedy rows' argmax, the others' argmax of scores /
     temperature + their noise (materialized for those rows only)."""
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
@@ -82,11 +79,10 @@ def gumbel_argmax_ref(scores: torch.Tensor, temperatures: Sequence[float], keys:
             return token_ids
         index = to_device(sampled, torch.int64, scores.device)
         token_ids[index] = gumbel_argmax_ref(scores[index], [temperatures[i] for i in sampled],
-                                             [keys[i] for i in sampled])
+                                             [seeds[i] for i in sampled], [counters[i] for i in sampled])
         return token_ids
     divisor = to_device(list(temperatures), torch.float32, scores.device).reshape(-1, 1)
-    noise = _noise_from_keys(to_device(list(keys), torch.int64, scores.device), scores.shape[-1])
-    return argmax_rows(scores / divisor + noise)
+    return argmax_rows(scores / divisor + gumbel_noise_ref(seeds, counters, scores.shape[-1], scores.device))
 
 
 @triton.jit
@@ -98,8 +94,18 @@ def _mix32_u32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, keys_ptr, stride_key_row, stride_key, part_val_ptr,
-                          part_idx_ptr, count_ptr, out_ptr,
+def _row_key(seed, counter):
+    """row_key on the device: seed an int64 (its 64 bits), counter an int64 (its low 32)."""
+    seed = seed.to(tl.uint64, bitcast=True)
+    low = (seed & 0xFFFFFFFF).to(tl.uint32)
+    high = (seed >> 32).to(tl.uint32)
+    key = _mix32_u32(_mix32_u32(_mix32_u32(low ^ 0x3C6EF372) ^ high) ^ counter.to(tl.uint32))
+    return key, _mix32_u32(key ^ 0x1B873593)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, seeds_ptr, counters_ptr, part_val_ptr, part_idx_ptr,
+                          count_ptr, out_ptr,
                           V, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
                           LIBDEVICE: tl.constexpr):
     """Program (row, chunk): the first maximum of its CHUNK scores (plus noise where the row
@@ -111,8 +117,7 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, keys_ptr, stride_ke
     temperature = tl.load(temps_ptr + row)
     if temps_ptr.dtype.element_ty != tl.float32:  # a decode graph's int64 input row: float32 bits
         temperature = temperature.to(tl.int32).to(tl.float32, bitcast=True)
-    key1 = tl.load(keys_ptr + row * stride_key_row).to(tl.uint32)
-    key2 = tl.load(keys_ptr + row * stride_key_row + stride_key).to(tl.uint32)
+    key1, key2 = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row))
     begin = chunk * CHUNK
     end = tl.minimum(begin + CHUNK, V)
     best = float("-inf")
@@ -150,10 +155,12 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, keys_ptr, stride_ke
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: each row's arrived chunks, zero between calls
 
 
-def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+                         ) -> torch.Tensor:
     """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): temperatures
-    [B] float32 (or int64 holding float32 bits), keys [B, 2] int64 (any strides). The per-row
-    counters are made on a first call, which precedes any capture (graphs are warmed up first)."""
+    [B] float32 (or int64 holding float32 bits), seeds [B] int64 (int64_seeds) and counters [B]
+    int64. The per-row arrival counters are made on a first call, which precedes any capture
+    (graphs are warmed up first)."""
     rows, vocab = scores.shape
     device = scores.device
     # About eight programs per SM over the batch (each loads a 4 KB block at a time), each at least
@@ -168,20 +175,27 @@ def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, keys:
     part_idx = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     out = torch.empty(rows, dtype=torch.int64, device=device)
     _gumbel_argmax_kernel[(rows, chunks)](
-        scores, scores.stride(0), temperatures, keys, keys.stride(0), keys.stride(1), part_val, part_idx, counts, out,
-        vocab, CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=max(triton.next_power_of_2(chunks), 2), BLOCK=1024,
+        scores, scores.stride(0), temperatures, seeds, counters, part_val, part_idx, counts, out, vocab, CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=max(triton.next_power_of_2(chunks), 2), BLOCK=1024,
         LIBDEVICE=scores.is_cuda, num_warps=4)
     return out
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: Sequence[float], keys: Sequence[tuple[int, int]]) -> torch.Tensor:
+def int64_seeds(seeds: Sequence[int]) -> list[int]:
+    """Seeds as int64 values with the same low 64 bits (what row_key reads of any seed)."""
+    return [(s & _MASK64) - (1 << 64) if s & (1 << 63) else s & _MASK64 for s in seeds]
+
+
+def gumbel_argmax(scores: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int], counters: Sequence[int]
+                  ) -> torch.Tensor:
     """Token ids [B] int64 from float32 scores [B, V] (rows may be strided, columns contiguous): per
-    row the argmax of scores / temperature + the Gumbel noise of its keys (row_key), or of the
+    row the argmax of scores / temperature + the Gumbel noise of its (seed, counter), or of the
     scores alone where its temperature is 0. Triton where it runs, else gumbel_argmax_ref."""
     if not use_triton(scores) or scores.shape[0] == 0 or scores.stride(-1) != 1:
-        return gumbel_argmax_ref(scores, temperatures, keys)
-    return gumbel_argmax_triton(scores, to_device([float(t) for t in temperatures], torch.float32, scores.device),
-                                to_device(list(keys), torch.int64, scores.device))
+        return gumbel_argmax_ref(scores, temperatures, seeds, counters)
+    device = scores.device
+    return gumbel_argmax_triton(scores, to_device([float(t) for t in temperatures], torch.float32, device),
+                                to_device(int64_seeds(seeds), torch.int64, device),
+                                to_device(list(counters), torch.int64, device))
 
 
 def gumbel_noise(seeds: Sequence[int], counters: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -9,7 +9,7 @@ from kernels.activation import silu_mul_ref, silu_mul_triton
 from kernels.dispatch import use_triton
 from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv_ref, rope_store_kv_triton
-from kernels.sampling import gumbel_argmax, gumbel_argmax_ref, row_key
+from kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 from tests.kernels.conftest import nan_poisoned_allocations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -135,8 +135,9 @@ def test_gumbel_argmax(vocab: int, batch: int) -> None:
     strided logits, and over flat scores, where the noise alone decides."""
     logits = 3 * torch.randn(batch, vocab + 64, device="cuda")[:, :vocab]
     temperatures = [0.0 if i % 3 == 1 else 0.5 + (i % 5) * 0.3 for i in range(batch)]
-    keys = [row_key(1000 + i, 7 * i) if t > 0 else (0, 0) for i, t in enumerate(temperatures)]
-    assert torch.equal(gumbel_argmax(logits, temperatures, keys), gumbel_argmax_ref(logits, temperatures, keys))
+    seeds, counters = [1000 + i - (1 << 63) * (i % 2) for i in range(batch)], [7 * i for i in range(batch)]
+    assert torch.equal(gumbel_argmax(logits, temperatures, seeds, counters),
+                       gumbel_argmax_ref(logits, temperatures, seeds, counters))
     flat = torch.zeros(batch, vocab, device="cuda")
-    noise_keys = [row_key(i, 3) for i in range(batch)]
-    assert torch.equal(gumbel_argmax(flat, [1.0] * batch, noise_keys), gumbel_argmax_ref(flat, [1.0] * batch, noise_keys))
+    ones, threes = [1.0] * batch, [3] * batch
+    assert torch.equal(gumbel_argmax(flat, ones, seeds, threes), gumbel_argmax_ref(flat, ones, seeds, threes))

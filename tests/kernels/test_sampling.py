@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import gumbel_argmax, gumbel_argmax_ref, gumbel_argmax_triton, row_key
+from kernels.sampling import gumbel_argmax, gumbel_argmax_ref, gumbel_argmax_triton, int64_seeds
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -14,9 +14,11 @@ def test_gumbel_argmax_matches_the_reference(vocab: int) -> None:
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(7, vocab + 3, generator=g)[:, :vocab]  # the sampler's strided slice of the logits
     temperatures = [0.0, 0.7, 1.0, 0.0, 1.3, 0.5, 2.0]
-    keys = [row_key(seed, 5 + seed) if t > 0 else (0, 0) for seed, t in enumerate(temperatures)]
-    out = gumbel_argmax(logits, temperatures, keys)
-    assert torch.equal(out, gumbel_argmax_ref(logits, temperatures, keys))
+    # Seeds past int64 and negative ones: the kernel reads their low 64 bits, as the reference does.
+    seeds = [0, 2**64 - 5, -3, 7, 2**63 + 11, 12345678901234, 1 << 70]
+    counters = [5 + i for i in range(7)]
+    out = gumbel_argmax(logits, temperatures, seeds, counters)
+    assert torch.equal(out, gumbel_argmax_ref(logits, temperatures, seeds, counters))
     assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()
     # The noise moves sampled rows off their argmax somewhere, or the test would not see it.
     assert any(out[i] != logits[i].argmax() for i, t in enumerate(temperatures) if t > 0)
@@ -27,27 +29,27 @@ def test_gumbel_argmax_takes_the_first_maximum() -> None:
     scores[0, [2100, 40, 2999]] = 5.0  # ties in different chunks: the first
     scores[1, [1500, 1501]] = 1.0  # ties in one block
     scores[2] = float("-inf")  # every token masked: index 0, as torch.argmax
-    out = gumbel_argmax(scores, [0.0] * 3, [(0, 0)] * 3)
+    out = gumbel_argmax(scores, [0.0] * 3, [0] * 3, [0] * 3)
     assert out.tolist() == [40, 1500, 0] == scores.argmax(dim=-1).tolist()
 
 
 def test_gumbel_argmax_draws_depend_on_the_row_alone() -> None:
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 2048, generator=g)
-    temperatures = [1.0] * 6
-    keys = [row_key(7, c) for c in range(6)]
-    batch = gumbel_argmax(logits, temperatures, keys)
-    alone = [gumbel_argmax(logits[i : i + 1], [1.0], [keys[i]]).item() for i in range(6)]
+    counters = list(range(6))
+    batch = gumbel_argmax(logits, [1.0] * 6, [7] * 6, counters)
+    alone = [gumbel_argmax(logits[i : i + 1], [1.0], [7], [counters[i]]).item() for i in range(6)]
     assert batch.tolist() == alone
+    assert len(set(batch.tolist())) > 1  # the counter changes the draw
 
 
 def test_gumbel_argmax_takes_temperatures_as_float32_bits() -> None:
     """A decode graph passes its temperatures in its int64 input buffer, as float32 bit patterns."""
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(2))
     temperatures = [0.0, 0.7, 1.0, 1.9]
-    keys = torch.tensor([row_key(i, 9) for i in range(4)])
+    seeds, counters = [3, -1, 2**64 - 1, 9], [9, 9, 10, 11]
     bits = torch.tensor(temperatures, dtype=torch.float32).view(torch.int32).to(torch.int64)
-    assert torch.equal(gumbel_argmax_triton(logits, bits, keys),
-                       gumbel_argmax_triton(logits, torch.tensor(temperatures), keys))
-    assert torch.equal(gumbel_argmax_triton(logits, bits, keys),
-                       gumbel_argmax_ref(logits, temperatures, [tuple(k) for k in keys.tolist()]))
+    args = torch.tensor(int64_seeds(seeds)), torch.tensor(counters)
+    out = gumbel_argmax_triton(logits, bits, *args)
+    assert torch.equal(out, gumbel_argmax_triton(logits, torch.tensor(temperatures), *args))
+    assert torch.equal(out, gumbel_argmax_ref(logits, temperatures, seeds, counters))
