@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.sampler import Sampler, SampleRow, apply_logit_bias, apply_penalties
-from kernels.sampling import argmax_rows, gumbel_noise
+from kernels.sampling import argmax_rows, gumbel_argmax_ref, gumbel_noise
 from engine.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -245,3 +245,22 @@ def test_mixed_batch_in_one_call(dtype: torch.dtype) -> None:
     lp = out.logprobs[3]
     assert lp is not None and lp.top == []
     assert lp.logprob == pytest.approx(raw[3].log_softmax(-1)[lp.token_id].item(), abs=1e-5)
+
+
+def test_plain_rows_are_drawn_as_the_sampler_would() -> None:
+    """Sampler.draws hands a decode graph what it needs to draw plain rows (greedy, or a temperature
+    alone) itself; drawn() then gives what __call__ would, logprobs included. Rows with bias,
+    penalties or filters leave the draw to the sampler."""
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3))
+    plain = [row(seed=-2, counter=9, temperature=0.0, logprobs=2), row(seed=2**64 - 1, counter=9, temperature=0.7),
+             row(seed=5, counter=3, temperature=1.3), row(seed=1 << 70, counter=1, temperature=1.0)]
+    temperatures, seeds, counters = sampler.draws(plain, logits.shape[-1])
+    assert temperatures == [0.0, 0.7, 1.3, 1.0] and counters == [9, 9, 3, 1]
+    assert all(-(2**63) <= s < 2**63 for s in seeds)  # an int64 buffer holds them
+    ids = gumbel_argmax_ref(logits, temperatures, seeds, counters)
+    drawn, called = sampler.drawn(logits, ids, plain), sampler(logits, plain)
+    assert torch.equal(drawn.token_ids, called.token_ids)
+    assert drawn.logprobs[0].top == called.logprobs[0].top and drawn.logprobs[1:] == [None] * 3
+    for params in ({"logit_bias": {3: 1.0}}, {"frequency_penalty": 0.5}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}):
+        assert sampler.draws([*plain, row(temperature=0.7, **params)], logits.shape[-1]) is None
+    assert sampler.draws([row(temperature=0.0, top_k=5)], 40) is not None  # filters do not touch greedy rows
