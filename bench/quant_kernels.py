@@ -58,6 +58,8 @@ FLOAT_SHAPES = {
                      "lm_head": (2048, 128256)},
     "qwen2.5-0.5b": {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
                      "lm_head": (896, 151936)},
+    "smollm2-135m": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+                     "lm_head": (576, 49152)},
 }
 # The bf16 GEMV's tilings --float-one-row times: (rows a program, bytes of a row a step, warps, steps
 # read ahead); None is gemv_config's own choice.
@@ -187,8 +189,9 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
 
 
 def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
-                           batches: tuple[int, ...] = FEW_ROWS_BATCHES, copies: int = 16) -> None:
-    """Each 1B projection as a decode batch of M rows calls it over `copies` distinct weights, one CUDA
+                           batches: tuple[int, ...] = FEW_ROWS_BATCHES, copies: int = 16,
+                           shape: str = "llama-3.2-1b") -> None:
+    """Each projection of `shape` as a decode batch of M rows calls it over `copies` distinct weights, one CUDA
     graph with PDL: cuBLAS with its separate epilogue kernels against the few-row kernel's tilings."""
     torch.manual_seed(0)
     labels = ["cuBLAS + kernels"] + ["rows_config" if t is None else "{}x{}x{}x{}x{}".format(*t) for t in tilings]
@@ -196,10 +199,11 @@ def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple
           f"{copies} distinct weights in a CUDA graph; tiling rows x bytes a step x warps x stages x programs/SM\n")
     print("| projection (K x N) | M | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
-    for name, (k, n) in FLOAT_SHAPES["llama-3.2-1b"].items():
+    for name, (k, n) in FLOAT_SHAPES[shape].items():
         if name not in projections:
             continue
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+        count = max(copies, -(-(256 << 20) // (2 * n * k)))  # enough distinct weights that L2 holds none
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(count)]
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             norm_in = NormScale(torch.rand(m, 64, device="cuda") * k, 1e-5)
@@ -217,13 +221,13 @@ def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple
             for tiling in ("cublas", *tilings):
                 with few_rows_tiling(tiling):
                     if tiling == "cublas":
-                        us = graph_us(lambda: call(fused=False), calls=1, reps=20) / copies
+                        us = graph_us(lambda: call(fused=False), calls=1, reps=20) / count
                         cells.append(f"{us:.2f} ({2 * n * k / us / 1e6:.2f})")
                         continue
                     out = call().float()
                     first = out if first is None else first
                     agrees = (out - first).norm() <= 2e-2 * first.norm()
-                    us = graph_us(call, calls=1, reps=20) / copies
+                    us = graph_us(call, calls=1, reps=20) / count
                     cells.append(f"{us:.2f} ({2 * n * k / us / 1e6:.2f})" + ("" if agrees else " differs!"))
             print(f"| {name} ({k} x {n}) | {m} | " + " | ".join(cells) + " |", flush=True)
         del weights
@@ -269,6 +273,7 @@ def main() -> None:
     p.add_argument("--tilings", help="--float-few-rows' tilings, e.g. 32x256x4x3x4,64x512x4x3x8 (default: a set)")
     p.add_argument("--projections", default="qkv,o,gate_up,down", help="--float-few-rows' projections")
     p.add_argument("--rows", default="2,8,16", help="--float-few-rows' batch rows")
+    p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(FLOAT_SHAPES), help="--float-few-rows' model shape")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/quant_kernels.py needs a CUDA GPU")
@@ -278,7 +283,8 @@ def main() -> None:
     if args.float_few_rows:
         tilings = (tuple(tuple(map(int, t.split("x"))) for t in args.tilings.split(",")) if args.tilings
                    else FEW_ROWS_TILINGS)
-        float_few_rows_tilings(tilings, tuple(args.projections.split(",")), tuple(map(int, args.rows.split(","))))
+        float_few_rows_tilings(tilings, tuple(args.projections.split(",")), tuple(map(int, args.rows.split(","))),
+                               shape=args.shape)
         return
     if args.int4_one_row:
         one_row_tilings()

@@ -126,12 +126,22 @@ def launch_options(pdl: bool) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_previous_kernel(PDL: tl.constexpr):
+def wait_for_previous_kernel(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """Called early in every kernel that takes PDL: wait until the previous kernel's writes are
     visible (nothing it may write can be read, and nothing written, before; the one-row GEMVs read
-    their first weights before it, decode attention its older keys and values), then let the next
-    kernel launch. Letting it launch before waiting lets a chain of kernels fill the SMs with
-    waiting programs, which then crowd out the running kernel's later waves."""
+    their first weights before it, decode attention its older keys and values), then, with
+    LAUNCH_NEXT, let the next kernel launch (else launch_next_kernel does, later). Letting it launch
+    before waiting lets a chain of kernels fill the SMs with waiting programs, which then crowd out
+    the running kernel's later waves."""
     if PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_kernel(PDL: tl.constexpr):
+    """Let the next kernel launch, in a kernel that waited with LAUNCH_NEXT=False: after its main
+    loop, where the next kernel's waiting programs no longer take SM room from its own."""
+    if PDL:
         gdc_launch_dependents()

@@ -5,9 +5,10 @@ norm to the next projection, that projection's scaled outputs, and RoPE with the
 (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
 Against cuBLAS the kernels save more than their own time: their epilogues take the norm, SiLU·up and
-RoPE kernels of a decode layer with them, and the GEMV launches with PDL (it reads its first weights
-before the previous kernel ends). The few-row kernel launches plainly: with PDL its waiting programs
-held the SMs and slowed both it and the decode attention after it (docs/performance.md).
+RoPE kernels of a decode layer with them, and both launch with PDL (the GEMV reads its first weights
+before the previous kernel ends). The few-row kernel lets the next kernel launch only after its
+K loop: letting it launch at once filled the SMs with waiting programs, which slowed both it and the
+decode attention after it (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.dispatch import (folds_norms, launch_next_kernel, launch_options, programmatic_launch, use_triton,
+                              wait_for_previous_kernel)
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
 from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs, norm_arguments,
@@ -89,7 +91,7 @@ def _float_rows_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, IEEE: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
@@ -104,6 +106,7 @@ def _float_rows_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    wait_for_previous_kernel(PDL, False)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + ks
         k_ok = k < k_end
@@ -113,6 +116,7 @@ def _float_rows_kernel(
             acc = tl.dot(xt, wt, acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, wt, acc)
+    launch_next_kernel(PDL)
     store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
                          in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
                          k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
@@ -199,11 +203,13 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     split_k, per_split = split_k_for(rows, tiles, triton.cdiv(in_features, block_k), in_features, x.device, per_sm)
     part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
+    pdl = programmatic_launch(x)
     _float_rows_kernel[(tiles, split_k)](
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, **cfg)
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
