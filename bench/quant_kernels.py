@@ -174,10 +174,13 @@ def float_one_row_tilings(copies: int = 16) -> None:
 
 @contextlib.contextmanager
 def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
-    """Decode batches up to FEW_ROWS on one path for a while: "cublas" is the engine's (cuBLAS and the
-    norm, SiLU·up and RoPE kernels), else the few-row kernel on this tiling (None: rows_config's)."""
-    saved = float_module.FLOAT_FUSED_ROWS, float_module.rows_config
+    """Decode batches up to FEW_ROWS on one path for a while: "cublas" is cuBLAS and the norm,
+    SiLU·up and RoPE kernels; "dots" the tensor-core few-row kernel for small weights too; else the
+    engine's choice, the tensor-core kernel on this tiling (None: rows_config's)."""
+    saved = float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST
     float_module.FLOAT_FUSED_ROWS = dict.fromkeys(saved[0], 1 if tiling == "cublas" else split_k_module.FEW_ROWS)
+    if tiling == "dots":  # every weight through the tensor-core kernel, small ones too
+        float_module.ROWS_GEMV_MOST = 1
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
         float_module.rows_config = lambda element_size: dict(
@@ -185,7 +188,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     try:
         yield
     finally:
-        float_module.FLOAT_FUSED_ROWS, float_module.rows_config = saved
+        float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST = saved
 
 
 def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
@@ -194,7 +197,8 @@ def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple
     """Each projection of `shape` as a decode batch of M rows calls it over `copies` distinct weights, one CUDA
     graph with PDL: cuBLAS with its separate epilogue kernels against the few-row kernel's tilings."""
     torch.manual_seed(0)
-    labels = ["cuBLAS + kernels"] + ["rows_config" if t is None else "{}x{}x{}x{}x{}".format(*t) for t in tilings]
+    labels = ["cuBLAS + kernels"] + ["rows_config" if t is None else t if isinstance(t, str) else
+                                     "{}x{}x{}x{}x{}".format(*t) for t in tilings]
     print(f"{torch.cuda.get_device_name()}: bf16 decode projections at M rows, µs a call (TB/s of weights), "
           f"{copies} distinct weights in a CUDA graph; tiling rows x bytes a step x warps x stages x programs/SM\n")
     print("| projection (K x N) | M | " + " | ".join(labels) + " |")
@@ -270,7 +274,7 @@ def main() -> None:
     p.add_argument("--int4-one-row", action="store_true", help="time the INT4 one-row kernels' tilings instead")
     p.add_argument("--float-one-row", action="store_true", help="time the bf16 one-row kernel's tilings instead")
     p.add_argument("--float-few-rows", action="store_true", help="time the bf16 few-row kernel's tilings instead")
-    p.add_argument("--tilings", help="--float-few-rows' tilings, e.g. 32x256x4x3x4,64x512x4x3x8 (default: a set)")
+    p.add_argument("--tilings", help="--float-few-rows' tilings, e.g. default,dots,32x256x4x3x4 (default: a set)")
     p.add_argument("--projections", default="qkv,o,gate_up,down", help="--float-few-rows' projections")
     p.add_argument("--rows", default="2,8,16", help="--float-few-rows' batch rows")
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(FLOAT_SHAPES), help="--float-few-rows' model shape")
@@ -281,8 +285,9 @@ def main() -> None:
         float_one_row_tilings()
         return
     if args.float_few_rows:
-        tilings = (tuple(tuple(map(int, t.split("x"))) for t in args.tilings.split(",")) if args.tilings
-                   else FEW_ROWS_TILINGS)
+        tilings = (tuple(None if t == "default" else t if t == "dots" else tuple(map(int, t.split("x")))
+                         for t in args.tilings.split(","))
+                   if args.tilings else FEW_ROWS_TILINGS)
         float_few_rows_tilings(tilings, tuple(args.projections.split(",")), tuple(map(int, args.rows.split(","))),
                                shape=args.shape)
         return

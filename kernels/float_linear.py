@@ -123,6 +123,45 @@ def _float_rows_kernel(
                          SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, BLOCK_N, HALF)
 
 
+@triton.jit
+def _float_rows_gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, k_per_split,
+    in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
+    positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
+    cache_stride_h, num_heads, num_kv_heads,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
+    HALF: tl.constexpr, PDL: tl.constexpr,
+):
+    """_float_rows_kernel for small weights, on the CUDA cores: each program reads its ROWS weight
+    rows once, as the one-row GEMV does (BLOCK_K inputs a step, the first before the wait), and
+    sums them against each of the M rows of x in turn; the few-row epilogues after."""
+    m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
+        M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, ROWS,
+        1, True, SILU_MUL, ROPE, HALF)
+    k_begin = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    k = k_begin + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_end)[None, :], other=0.0)
+    wait_for_previous_kernel(PDL, False)
+    acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        wf = w.to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            xk = tl.load(x_ptr + i * stride_x + k, mask=(k < k_end) & (i < M), other=0.0).to(tl.float32)
+            y = tl.sum(wf * xk[None, :], axis=1)
+            acc = tl.where(m[:, None] == i, acc + y[None, :], acc)
+        k_next = k + BLOCK_K  # the next weights in flight while these are summed
+        w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+    launch_next_kernel(PDL)
+    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
+                         in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
+                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
+                         SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
+
+
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
     """_float_gemv_kernel's tiling by weight shape (kernels/split_k.py's large_tiling). A small weight
     takes 4 rows a program of 4 warps, 2 KB of each row a step (the first loaded before the wait); a
@@ -143,6 +182,22 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
 # in the engine (docs/performance.md, What helped). float32's tensor-core dots are exact (IEEE) and
 # 2-3x slower than cuBLAS at a few rows: it takes the one-row GEMV only.
 FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.float16: FEW_ROWS, torch.float32: 1}
+
+
+# The most rows that take _float_rows_gemv_kernel (where rows_gemv_fits) rather than the tensor-core
+# few-row kernel: it sums each row of x against the weights in turn, which at 5 and 8 rows cost more
+# than the dots (docs/performance.md).
+ROWS_GEMV_MOST = 2
+
+
+def rows_gemv_fits(out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
+    """Whether a few rows over this weight may take _float_rows_gemv_kernel: a small weight (not
+    large_tiling) that the one-row GEMV reads unsplit, where reading each weight once before the
+    wait measured faster than the dots; split along K (the 1B shape's O) it did not."""
+    if large_tiling(out_features, in_features):
+        return False
+    cfg = gemv_config(out_features, in_features, element_size)
+    return gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"], device)[0] == 1
 
 
 def rows_config(element_size: int) -> dict[str, int]:
@@ -184,6 +239,32 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     return out, residual_out, sumsq
 
 
+def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+               norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x [M, K] (2 <= M <= ROWS_GEMV_MOST, a weight rows_gemv_fits) through _float_rows_gemv_kernel
+    at the one-row GEMV's small tiling, unsplit; its outputs as _rows'."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    q, rope_args = rope_arguments(x, rope)
+    out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
+        if q is None else q
+    cfg = gemv_config(out_features, in_features, weight.element_size())
+    cfg.pop("AHEAD")
+    per_program = cfg.pop("ROWS")
+    paired = silu_mul or rope is not None
+    tiles = triton.cdiv(out_features // 2 if paired else out_features, per_program // 2 if paired else per_program)
+    norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
+    pdl = programmatic_launch(x)
+    _float_rows_gemv_kernel[(tiles, 1)](
+        x, weight, bias, out, out, out, rows, out_features, in_features, x.stride(0), weight.stride(0), in_features,
+        *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), ROWS=per_program,
+        SPLIT_K=1, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, num_stages=1, **cfg,
+        **launch_options(pdl))
+    return out, residual_out, sumsq
+
+
 def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
           norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None = None
           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -193,6 +274,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         return _gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     rows, in_features = x.shape
     out_features = weight.shape[0]
+    if rows <= ROWS_GEMV_MOST and rows_gemv_fits(out_features, in_features, weight.element_size(), x.device):
+        return _rows_gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
         if q is None else q

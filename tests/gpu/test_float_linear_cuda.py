@@ -33,7 +33,7 @@ def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Ten
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
 def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -> None:
@@ -52,7 +52,7 @@ def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
 def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -> None:
@@ -88,7 +88,7 @@ def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
 def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype, tokens: int) -> None:

@@ -1,7 +1,7 @@
-"""The float one-row GEMV and few-row kernel (kernels/float_linear.py) against the torch reference
-on CPU through Triton's interpreter (float32 and float16; the interpreter gets bfloat16 wrong), with
-their epilogues: SiLU·up, the add-norm and the next projection's norm factor (RoPE:
-test_rope_epilogue.py). tests/gpu covers bf16."""
+"""The float one-row GEMV, its two-row version and the few-row kernel (kernels/float_linear.py)
+against the torch reference on CPU through Triton's interpreter (float32 and float16; the
+interpreter gets bfloat16 wrong), with their epilogues: SiLU·up, the add-norm and the next
+projection's norm factor (RoPE: test_rope_epilogue.py). tests/gpu covers bf16."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
-from kernels.float_linear import (float_linear, float_linear_add_norm, float_linear_ref, fused_rows, gemv_config,
-                                 rows_config)
+from kernels.float_linear import (ROWS_GEMV_MOST, float_linear, float_linear_add_norm, float_linear_ref, fused_rows,
+                                 gemv_config, rows_config, rows_gemv_fits)
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -28,8 +28,9 @@ def _weights(gen: torch.Generator, out_features: int, in_features: int, dtype: t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (3, False), (FEW_ROWS, False), (FEW_ROWS + 1, False)],
-                         ids=["gemv", "gemv-large", "few-rows", "few-rows-most", "cublas"])
+@pytest.mark.parametrize("rows, large", [(1, False), (1, True), (ROWS_GEMV_MOST, False), (3, False),
+                                         (FEW_ROWS, False), (FEW_ROWS + 1, False)],
+                         ids=["gemv", "gemv-large", "rows-gemv", "few-rows", "few-rows-most", "cublas"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float_linear_matches_reference(triton_interpreter, monkeypatch, dtype, rows, large, with_bias) -> None:
     monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0 if large else 1 << 30)
@@ -72,8 +73,9 @@ def test_one_row_kernel_splits_k_and_leaves_its_counters_at_zero(triton_interpre
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, large, in_features, out_features",
                          [(1, False, 256, 202), (1, True, 256, 200), (1, True, 1024, 48), (5, False, 256, 202),
-                          (5, False, 1024, 48)],
-                         ids=["partial-pairs", "large-partial-pairs", "large-split-k", "few-rows", "few-rows-split-k"])
+                          (5, False, 1024, 48), (2, False, 256, 202)],
+                         ids=["partial-pairs", "large-partial-pairs", "large-split-k", "few-rows", "few-rows-split-k",
+                              "rows-gemv"])
 def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_interpreter, monkeypatch, dtype, rows,
                                                                     large, in_features, out_features) -> None:
     # SiLU·up in the epilogue rounds gate and up to x's dtype first: bit for bit the projection
@@ -99,8 +101,8 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, large, in_features, out_features",
                          [(1, False, 256, 202), (1, True, 256, 208), (1, True, 4096, 48), (6, False, 256, 202),
-                          (6, False, 4096, 48)],
-                         ids=["small", "large", "large-split-k", "few-rows", "few-rows-split-k"])
+                          (6, False, 4096, 48), (2, False, 256, 202)],
+                         ids=["small", "large", "large-split-k", "few-rows", "few-rows-split-k", "rows-gemv"])
 def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, rows, large,
                                                             in_features, out_features) -> None:
     # The add-norm epilogue is add_norm_ref on the kernel's own projection, one NormScale row per
@@ -118,8 +120,10 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     y = float_linear(x, weight, bias)
     ref_u, ref_h, ref_norm = add_norm_ref(y, residual, norm_w, 1e-5)
     assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
-    # large: out_features < in_features, the deep tiling
-    tile = rows_config(4)["BLOCK_N"] if rows > 1 else 16 if large else 4
+    # one row, or two over a small unsplit weight: the GEMV's tilings (large: out_features <
+    # in_features, the deep one); else the few-row kernel's
+    gemv = rows == 1 or rows <= ROWS_GEMV_MOST and rows_gemv_fits(out_features, in_features, 4, x.device)
+    tile = gemv_config(out_features, in_features, 4)["ROWS"] if gemv else rows_config(4)["BLOCK_N"]
     assert norm.sumsq.shape == (rows, -(-out_features // tile))
     torch.testing.assert_close(norm.sumsq.sum(-1), ref_norm.sumsq.sum(-1), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(y, norm_w, 1e-5, residual)[0], **TOLERANCE[dtype])

@@ -44,11 +44,12 @@ def _format(fmt: str, out_features: int, in_features: int, dtype: torch.dtype, b
 
 
 # The float format with and without a bias; the quantized ones with one (their epilogue is shared).
-CASES = [(f, t, b) for t in (1, 3) for f in ("float", "fp8", "int4") for b in ((False, True) if f == "float" else (True,))]
+CASES = [(f, t, b) for t in (1, 2, 3) for f in ("float", "fp8", "int4")
+         for b in ((False, True) if f == "float" else (True,))]
 
 
 @pytest.mark.parametrize("fmt, tokens, with_bias", CASES,
-                         ids=[f"{f}{'-few-rows' if t > 1 else ''}{'-bias' if b else ''}" for f, t, b in CASES])
+                         ids=[f"{f}{f'-{t}-rows' if t > 1 else ''}{'-bias' if b else ''}" for f, t, b in CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("large, heads, kv_heads, head_dim, in_features",
                          [(False, 4, 2, 16, 64), (True, 4, 2, 16, 64), (True, 2, 1, 32, 1024), (False, 3, 1, 8, 64)],
