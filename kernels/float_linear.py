@@ -1,12 +1,12 @@
 """Linear layers over float weights (bf16, fp16, fp32) W [N, K]: for decode, a one-row Triton GEMV
-(batch 1) and a few-row tensor-core kernel (up to FEW_ROWS rows), both with the epilogues the
-quantized one-row kernels have (kernels/split_k.py): SiLU·up, the add-norm that leaves the next
-norm to the next projection, that projection's scaled outputs, and RoPE with the KV write
-(kernels/rope.py). Larger batches go to cuBLAS (F.linear).
+(batch 1, and a two-row version of it for small weights) and a few-row tensor-core kernel (up to
+FEW_ROWS rows), all with the epilogues the quantized one-row kernels have (kernels/split_k.py):
+SiLU·up, the add-norm that leaves the next norm to the next projection, that projection's scaled
+outputs, and RoPE with the KV write (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
 Against cuBLAS the kernels save more than their own time: their epilogues take the norm, SiLU·up and
-RoPE kernels of a decode layer with them, and both launch with PDL (the GEMV reads its first weights
-before the previous kernel ends). The few-row kernel lets the next kernel launch only after its
+RoPE kernels of a decode layer with them, and they launch with PDL (the GEMVs read their first
+weights before the previous kernel ends). The few-row kernel lets the next kernel launch only after its
 K loop: letting it launch at once filled the SMs with waiting programs, which slowed both it and the
 decode attention after it (docs/performance.md).
 """
