@@ -25,8 +25,8 @@ METHODS = ("ngram", "suffix", "draft")
 MAX_SKIP = 16  # the most decodes a sequence waits after rejected drafts before it drafts again
 PATIENCE = 8  # misses in a row before a sequence starts skipping decodes
 WARM_STEPS = 4  # decode steps without drafts that a batch size measures before it drafts
-PROBE_STEPS = 4  # steps with drafts measured between verdicts on them
-MIN_PAUSE, MAX_PAUSE = 32, 1024  # schedules without drafts after a verdict that they did not pay (doubling)
+PROBE_STEPS = 8  # steps with drafts summed into each verdict on them
+MIN_PAUSE, MAX_PAUSE = 16, 1024  # schedules without drafts after a verdict that they did not pay (doubling)
 MIN_GAIN = 1.02  # how much faster drafting must go to keep on: a tie is not worth its waits
 
 
@@ -69,10 +69,11 @@ class DraftState:
 class _Pace:
     """One batch size's decode speed, tokens a second per sequence (moving averages)."""
 
-    plain: float = 0.0  # overlapped steps without drafts
-    spec: float = 0.0  # steps that wait for the one before to draft
+    plain: float = 0.0  # overlapped steps without drafts (a moving average)
     plain_steps: int = 0
-    spec_steps: int = 0  # since the last pause
+    spec_tokens: float = 0.0  # a sequence's, in the steps with drafts since the last verdict
+    spec_seconds: float = 0.0
+    spec_steps: int = 0
     pause: int = 0  # schedules to go without drafts
     next_pause: int = MIN_PAUSE
 
@@ -83,8 +84,10 @@ class SpeedGate:
     follow real ids), so neither the host's work nor the verify step's extra rows overlap anything;
     on a fast GPU with a small model that costs more than the accepted drafts bring (bench/README.md).
     A batch size first measures WARM_STEPS steps without drafts; then after every PROBE_STEPS steps
-    with drafts, unless those ran MIN_GAIN faster, drafting pauses for MIN_PAUSE schedules, doubling up to
-    MAX_PAUSE while it keeps losing, and its speed is measured afresh after each pause."""
+    with drafts, unless their tokens over their time ran MIN_GAIN faster, drafting pauses for
+    MIN_PAUSE schedules, doubling up to MAX_PAUSE while it keeps losing. A verdict sums its steps
+    rather than averaging their rates: acceptance comes in runs, and a few steps of novel text alone
+    would pause drafts through the copying that follows."""
 
     def __init__(self, weight: float = 0.25) -> None:
         self.weight = weight  # of the newest step in the moving averages
@@ -108,19 +111,22 @@ class SpeedGate:
 
     def record(self, drafting: bool, batch: int, tokens: int, seconds: float) -> None:
         """A decode step of `batch` sequences read: `tokens` emitted, `seconds` since the step read before it."""
-        pace, rate = self._pace(batch), tokens / batch / max(seconds, 1e-9)
+        pace = self._pace(batch)
         if not drafting:
+            rate = tokens / batch / max(seconds, 1e-9)
             pace.plain = rate if not pace.plain_steps else pace.plain + self.weight * (rate - pace.plain)
             pace.plain_steps += 1
             return
-        pace.spec = rate if not pace.spec_steps else pace.spec + self.weight * (rate - pace.spec)
+        pace.spec_tokens += tokens / batch
+        pace.spec_seconds += seconds
         pace.spec_steps += 1
-        if pace.spec_steps % PROBE_STEPS:
+        if pace.spec_steps < PROBE_STEPS:
             return
-        if pace.spec < MIN_GAIN * pace.plain:
-            pace.pause, pace.next_pause, pace.spec_steps = pace.next_pause, min(2 * pace.next_pause, MAX_PAUSE), 0
+        if pace.spec_tokens / max(pace.spec_seconds, 1e-9) < MIN_GAIN * pace.plain:
+            pace.pause, pace.next_pause = pace.next_pause, min(2 * pace.next_pause, MAX_PAUSE)
         else:
             pace.next_pause = MIN_PAUSE
+        pace.spec_tokens = pace.spec_seconds = pace.spec_steps = 0
 
 
 class Proposer:

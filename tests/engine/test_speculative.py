@@ -200,7 +200,7 @@ def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
 def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
     a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
-    by a longer pause: at most three in 160 tokens."""
+    by a pause: at most two probes in 160 tokens."""
     slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
                        speculative_max_batch=8, speculative_gate=True)
     now, forward = [0.0], slow.runner.forward
@@ -212,8 +212,8 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
     assert len(result.token_ids) == 160
     pace = slow.scheduler.gate.paces[1]
-    assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 4 * MIN_PAUSE  # paused twice or more
-    assert 0 < slow.stats().draft_tokens <= 4 * 3 * PROBE_STEPS
+    assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 2 * MIN_PAUSE  # paused
+    assert 0 < slow.stats().draft_tokens <= 4 * 2 * PROBE_STEPS
 
 
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
