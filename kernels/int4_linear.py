@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels import activation
-from kernels.dispatch import folds_norms, launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
+from kernels.dispatch import (folds_norms, launch_next_kernel, launch_options, programmatic_launch, use_triton,
+                              wait_for_previous_kernel)
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
@@ -176,7 +177,7 @@ def _int4_matmul_kernel(
 ):
     """The tile GEMM. FEW: all M rows in one BLOCK_M tile (decode batches up to FEW_ROWS), with the
     one-row kernels' epilogues per row (kernels/split_k.py's store_matmul_outputs)."""
-    wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL, False)  # the next kernel launches after the K loop (launch_next_kernel)
     rows, rows_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
         GROUP_M, FEW, SILU_MUL, ROPE, HALF)
@@ -202,6 +203,7 @@ def _int4_matmul_kernel(
             acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(w), acc)
+    launch_next_kernel(PDL)
     store_matmul_outputs(acc, rows, rows_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K,
                          in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot,
                          cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads,
