@@ -177,8 +177,8 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
-# By dtype, the most rows the float layers send through our kernels (the few-row one launched
-# plainly, at rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows of bf16
+# By dtype, the most rows the float layers send through our kernels (the few-row one at
+# rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows of bf16
 # in the engine (docs/performance.md, What helped). float32's tensor-core dots are exact (IEEE) and
 # 2-3x slower than cuBLAS at a few rows: it takes the one-row GEMV only.
 FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.float16: FEW_ROWS, torch.float32: 1}
