@@ -125,41 +125,41 @@ def _float_rows_kernel(
 
 @triton.jit
 def _float_rows_gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, k_per_split,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
     in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """_float_rows_kernel for small weights, on the CUDA cores: each program reads its ROWS weight
-    rows once, as the one-row GEMV does (BLOCK_K inputs a step, the first before the wait), and
-    sums them against each of the M rows of x in turn; the few-row epilogues after."""
+    rows once, whole K and unsplit, as the one-row GEMV does (BLOCK_K inputs a step, the first
+    before the wait), and sums them against each of the M rows of x in turn; the few-row epilogues
+    after."""
     m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, ROWS,
         1, True, SILU_MUL, ROPE, HALF)
-    k_begin = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    k = k_begin + tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_end)[None, :], other=0.0)
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
     wait_for_previous_kernel(PDL, False)
     acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         wf = w.to(tl.float32)
         for i in tl.static_range(BLOCK_M):
-            xk = tl.load(x_ptr + i * stride_x + k, mask=(k < k_end) & (i < M), other=0.0).to(tl.float32)
+            xk = tl.load(x_ptr + i * stride_x + k, mask=(k < K) & (i < M), other=0.0).to(tl.float32)
             y = tl.sum(wf * xk[None, :], axis=1)
             acc = tl.where(m[:, None] == i, acc + y[None, :], acc)
         k_next = k + BLOCK_K  # the next weights in flight while these are summed
-        w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+        w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < K)[None, :], other=0.0)
     launch_next_kernel(PDL)
-    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
+    # Unsplit: out stands in for the split-K workspace and counters, which SPLIT_K = 1 never reads.
+    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, out_ptr, out_ptr, M, N, K, in_sumsq_ptr,
                          in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
                          k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                         SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
+                         1, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
@@ -256,10 +256,10 @@ def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     tiles = triton.cdiv(out_features // 2 if paired else out_features, per_program // 2 if paired else per_program)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
-    _float_rows_gemv_kernel[(tiles, 1)](
-        x, weight, bias, out, out, out, rows, out_features, in_features, x.stride(0), weight.stride(0), in_features,
+    _float_rows_gemv_kernel[(tiles,)](
+        x, weight, bias, out, rows, out_features, in_features, x.stride(0), weight.stride(0),
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), ROWS=per_program,
-        SPLIT_K=1, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, num_stages=1, **cfg,
         **launch_options(pdl))
     return out, residual_out, sumsq
