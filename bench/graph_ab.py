@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu import int4_checkpoint  # noqa: E402
+from bench.gpu import int4_checkpoint, log, sync  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -59,13 +59,11 @@ def timed_steps(engine: LLMEngine, steps: int) -> float:
     """ms a step over `steps` engine steps, after 5 untimed ones."""
     for _ in range(5):
         engine.step()
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(engine.runner.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(engine.runner.device)
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -118,9 +116,8 @@ def run_model(model: str, args: argparse.Namespace, variants: list[tuple[str, li
             rows.append(dict(model=model, quantization=args.quantization, batch=batch, variant=name,
                              engine_step_ms=summary(steps[name]),
                              graph_replay_ms=summary(replays[name]) if replays[name] else None))
-            print(f"{model} batch {batch} [{name}]: step {rows[-1]['engine_step_ms']['median']:.3f} ms"
-                  + (f", replay {rows[-1]['graph_replay_ms']['median']:.3f} ms" if replays[name] else ""),
-                  file=sys.stderr, flush=True)
+            log(f"{model} batch {batch} [{name}]: step {rows[-1]['engine_step_ms']['median']:.3f} ms"
+                + (f", replay {rows[-1]['graph_replay_ms']['median']:.3f} ms" if replays[name] else ""))
         for request_id in list(engine.requests):
             engine.abort(request_id)
         while engine.has_unfinished():
