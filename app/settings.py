@@ -31,7 +31,7 @@ _ENGINE_HELP = {
     "speculative_model": "the draft model of --speculative-method draft, named as --model is ('default', a directory or random:<shape>), with the model's tokenizer; its KV pool comes out of the KV budget (tensor parallel size 1 only)",
     "num_speculative_tokens": "most draft tokens a sequence carries in one step (with --speculative-method)",
     "speculative_max_batch": "running sequences up to which steps carry drafts (default: 16 on a GPU, 1 on CPU, where verifying drafts beside a batch costs more than it saves)",
-    "speculative_gate": "time decode steps with drafts and without, per batch size, and pause drafting where it is slower (true/false; off by default until its verdicts are tuned: on CPU it cost the code edit more than it saved)",
+    "speculative_gate": "time decode steps with drafts and without, per batch size of 2 and more, and pause drafting where it is slower (true/false, default true; a sequence alone always may draft, backing off by itself)",
 }
 
 

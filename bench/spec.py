@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                method: LLMEngine(EngineConfig(**config, speculative_method=args.method,
                                               speculative_model=args.speculative_model,
                                               num_speculative_tokens=args.num_speculative_tokens,
-                                              speculative_gate=args.gated))}
+                                              speculative_gate=not args.ungated))}
     rows: list[dict[str, Any]] = []
     exact = args.device == "cpu"
     for name, prompt in workloads.items():
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system == method else ""))
     return dict(bench="spec", device=args.device, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
                 commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens, gated=args.gated,
+                num_speculative_tokens=args.num_speculative_tokens, gated=not args.ungated,
                 max_tokens=args.max_tokens, reps=args.reps, partial=bool(args.workloads) or args.smoke, rows=rows)
 
 
@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--speculative-model", help="the draft model of --method draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--gated", action="store_true", help="--speculative-gate: pause drafting where it measures slower")
+    parser.add_argument("--ungated", action="store_true", help="--speculative-gate false: draft beside a batch even where it measures slower")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)

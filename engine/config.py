@@ -49,7 +49,7 @@ class EngineConfig:
     speculative_model: str | None = None  # the draft model of --speculative-method draft, named as `model` is
     num_speculative_tokens: int = 4  # most draft tokens a sequence carries in one step
     speculative_max_batch: int | None = None  # running sequences up to which steps draft; None: by device
-    speculative_gate: bool = False  # pause drafting where it measures slower (speculative.SpeedGate)
+    speculative_gate: bool = True  # pause drafting beside a batch where it measures slower (speculative.SpeedGate)
 
     def torch_device(self) -> torch.device:
         import torch

@@ -79,8 +79,10 @@ class _Pace:
 
 
 class SpeedGate:
-    """Whether drafting pays on this machine, by batch size (a power of two): the engine's decode
-    steps timed with drafts and without. A step that drafts waits for the step before it (drafts
+    """Whether drafting pays on this machine, by batch size (a power of two) from min_batch on: the
+    engine's decode steps timed with drafts and without. Below min_batch (a sequence alone) it is
+    always open: there each sequence's DraftState backs off by itself, and pauses judged on a
+    single sequence's runs of acceptance cost more than they saved (bench/README.md). A step that drafts waits for the step before it (drafts
     follow real ids), so neither the host's work nor the verify step's extra rows overlap anything;
     on a fast GPU with a small model that costs more than the accepted drafts bring (bench/README.md).
     A batch size first measures WARM_STEPS steps without drafts; then after every PROBE_STEPS steps
@@ -89,8 +91,9 @@ class SpeedGate:
     rather than averaging their rates: acceptance comes in runs, and a few steps of novel text alone
     would pause drafts through the copying that follows."""
 
-    def __init__(self, weight: float = 0.25) -> None:
+    def __init__(self, weight: float = 0.25, min_batch: int = 2) -> None:
         self.weight = weight  # of the newest step in the moving averages
+        self.min_batch = min_batch
         self.paces: dict[int, _Pace] = {}
 
     def _pace(self, batch: int) -> _Pace:
@@ -98,11 +101,15 @@ class SpeedGate:
 
     def open(self, batch: int) -> bool:
         """Whether steps of `batch` running sequences may draft (a look: no pause is counted down)."""
+        if batch < self.min_batch:
+            return True
         pace = self._pace(batch)
         return pace.plain_steps >= WARM_STEPS and not pace.pause
 
     def tick(self, batch: int) -> bool:
         """Once a schedule: open(batch), a schedule of its pause counted down."""
+        if batch < self.min_batch:
+            return True
         pace = self._pace(batch)
         if pace.pause:
             pace.pause -= 1
@@ -111,6 +118,8 @@ class SpeedGate:
 
     def record(self, drafting: bool, batch: int, tokens: int, seconds: float) -> None:
         """A decode step of `batch` sequences read: `tokens` emitted, `seconds` since the step read before it."""
+        if batch < self.min_batch:
+            return
         pace = self._pace(batch)
         if not drafting:
             rate = tokens / batch / max(seconds, 1e-9)

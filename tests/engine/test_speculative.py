@@ -198,22 +198,31 @@ def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
 
 
 def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
-    """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
-    a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
-    by a pause: at most two probes in 160 tokens."""
+    """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens a
+    sequence, where a decode step makes 10 in that time), two sequences draft only in the gate's
+    probes, each followed by a pause: at most two probes in 160 tokens."""
     slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
-                       speculative_max_batch=8, speculative_gate=True)
+                       speculative_max_batch=8)
     now, forward = [0.0], slow.runner.forward
 
     def timed(step, prev, rows=None):
         now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
         return forward(step, prev, rows)
     slow.runner.forward, slow.clock = timed, lambda: now[0]
-    [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
-    assert len(result.token_ids) == 160
-    pace = slow.scheduler.gate.paces[1]
+    results = slow.generate(chats(LIST, LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
+    assert [len(r.token_ids) for r in results] == [160, 160]
+    pace = slow.scheduler.gate.paces[2]
     assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 2 * MIN_PAUSE  # paused
-    assert 0 < slow.stats().draft_tokens <= 4 * 2 * PROBE_STEPS
+    assert 0 < slow.stats().draft_tokens <= 2 * 4 * 2 * PROBE_STEPS
+
+
+def test_the_speed_gate_leaves_a_sequence_alone_to_its_draft_state() -> None:
+    gate = SpeedGate()
+    for _ in range(4 * PROBE_STEPS):  # drafts at batch 1 that lose: neither timed nor paused
+        assert gate.open(1) and gate.tick(1)
+        gate.record(True, 1, tokens=1, seconds=1.0)
+        gate.record(False, 1, tokens=10, seconds=1.0)
+    assert gate.paces == {} and not gate.open(2)
 
 
 def test_only_a_gpu_drafts_beside_a_batch() -> None:
@@ -224,7 +233,8 @@ def test_only_a_gpu_drafts_beside_a_batch() -> None:
 def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
     """The embedded model without and with n-gram speculation."""
     return make_engine(default_model_dir), make_engine(default_model_dir, speculative_method="ngram",
-                                                       num_speculative_tokens=4, speculative_max_batch=8)
+                                                       num_speculative_tokens=4, speculative_max_batch=8,
+                                                       speculative_gate=False)
 
 
 @pytest.fixture(scope="module", params=["ngram", "suffix"])
@@ -233,7 +243,7 @@ def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEng
     if request.param == "ngram":
         return engines
     return engines[0], make_engine(default_model_dir, speculative_method=request.param, num_speculative_tokens=4,
-                                   speculative_max_batch=8)
+                                   speculative_max_batch=8, speculative_gate=False)
 
 
 def assert_same(a: Completion, b: Completion) -> None:
@@ -284,7 +294,7 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
 def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
     base, _ = engines
     tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
-                        speculative_max_batch=4)
+                        speculative_max_batch=4, speculative_gate=False)
     prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     expected = base.generate(prompts, greedy)
@@ -379,7 +389,8 @@ def tiny_engine(**kw) -> LLMEngine:
 
 
 def draft_engine(draft: str = DRAFT, **kw) -> LLMEngine:
-    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256, **kw)
+    return tiny_engine(speculative_method="draft", speculative_model=draft, speculative_max_batch=256,
+                       speculative_gate=False, **kw)
 
 
 def assert_no_draft_block_held(engine: LLMEngine) -> None:
@@ -416,7 +427,7 @@ def test_draft_model_outputs_on_the_embedded_model(default_model_dir, plain_outp
     """The embedded model drafting for itself (a mechanics check: all drafts accepted), on two of the
     shared prompts: seeded with logprobs, and a stop string (the tiny models' tests have the rest)."""
     spec = make_engine(default_model_dir, speculative_method="draft", speculative_model=str(default_model_dir),
-                       num_speculative_tokens=4, speculative_max_batch=8)
+                       num_speculative_tokens=4, speculative_max_batch=8, speculative_gate=False)
     got = spec.generate(PROMPTS[1::2], PARAMS[1::2])
     for a, b in zip(plain_outputs[1::2], got):
         assert_same(a, b)

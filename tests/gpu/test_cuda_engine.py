@@ -117,7 +117,8 @@ def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
     config = dict(model="random:tiny-llama3", device="cuda", dtype="float32", kv_cache_memory="64MiB")
     draft = "random:tiny-llama3-draft" if method == "draft" else None
     spec = LLMEngine(EngineConfig(**config, speculative_method=method, num_speculative_tokens=4,
-                                  speculative_max_batch=4, speculative_model=draft))
+                                  speculative_max_batch=4, speculative_gate=False,
+                                  speculative_model=draft))
     plain = LLMEngine(EngineConfig(**config))
     replays = []
     for graph in spec.runner.graphs.values():
