@@ -282,17 +282,31 @@ class SuffixAutomaton:
 
     def follow(self, tail: Tokens[int], k: int, min_match: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `tail` found in this list (at least
-        min_match tokens long), or none."""
-        state = length = 0
-        for token in tail:  # the longest suffix of the tail read so far that occurs here
-            while state and token not in self.next[state]:
-                state = self.link[state]
-                length = self.length[state]
-            if token in self.next[state]:
-                state, length = self.next[state][token], length + 1
-        if length < min_match:
+        min_match tokens long), or none. A suffix found means its own suffixes are found too, so the
+        longest is searched by length from min_match, doubling then halving: most tails miss at
+        min_match tokens, which costs that many lookups rather than a pass over the whole tail."""
+        size = len(tail)
+        found, state = min_match, self._walk(tail, size - min_match) if size >= min_match else -1
+        if state < 0:
             return []
+        missed = size + 1  # the shortest length known not to be found
+        while found < size and missed > found + 1:
+            length = min(2 * found, size) if missed > size else (found + missed) // 2
+            longer = self._walk(tail, size - length)
+            if longer < 0:
+                missed = length
+            else:
+                found, state = length, longer
         return self.tokens[self.end[state] + 1: self.end[state] + 1 + k]
+
+    def _walk(self, tail: Tokens[int], start: int) -> int:
+        """The state of tail[start:] (read from state 0), or -1 where it does not occur."""
+        state = 0
+        for i in range(start, len(tail)):
+            state = self.next[state].get(tail[i], -1)
+            if state < 0:
+                return -1
+        return state
 
 
 class SuffixProposer(Proposer):

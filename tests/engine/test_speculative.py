@@ -123,8 +123,8 @@ def test_the_suffix_automaton_finds_the_longest_match_of_any_length() -> None:
         for i, token in enumerate(tokens):  # grown a token at a time, asked at every length
             automaton.extend(token)
             assert automaton.repeat(4, 2) == first_earlier_repeat(tokens[:i + 1], 4, 2)
-        tail = [rng.randrange(3) for _ in range(rng.randrange(12))]
-        assert automaton.follow(tail, 3, 2) == first_occurrence_after(tokens, tail, 3, 2)
+            tail = [rng.randrange(3) for _ in range(rng.randrange(12))]
+            assert automaton.follow(tail, 3, 2) == first_occurrence_after(tokens[:i + 1], tail, 3, 2)
 
 
 def sequence(tokens: list[int]) -> Sequence:
