@@ -10,10 +10,11 @@ bench/data/spec_workloads.json's references (what a model that does each task wo
 with --outputs, a model's own greedy output (then the replay counts what bench/spec.py measured).
 Tokens are the embedded model's (SmolLM2's tokenizer).
 
-Measure (--measure, on CUDA): an engine step of each kind at batch 1 on random weights of the named
-shapes: an overlapped decode (nothing to propose), a decode that waited for the step in flight and
-found nothing, and a verify step of d = 1..k drafts (each waiting for the step before, as drafts
-follow real ids). Medians of alternating rounds.
+Measure (--measure, on CUDA): an engine step of each kind on random weights of the named shapes:
+an overlapped decode (nothing to propose), a decode that waited for the step in flight and found
+nothing, and a verify step of d drafts a sequence (each waiting for the step before, as drafts
+follow real ids): d = 1..k at batch 1, which prices the replay, and d = k at larger batches (what a
+verify step costs beside a batch). Medians of alternating rounds.
 
 Composed: the text's tokens at the overlapped decode's price, against the replayed steps at
 theirs. It leaves out what a text cannot say: the target's own tokens are assumed to be the text.
@@ -148,11 +149,14 @@ class _Drafts(Proposer):
         return [seq.token_ids[-1]] * min(self.count or 0, limit)
 
 
-def measure(shapes: list[str], k: int, steps: int, rounds: int) -> dict[str, Any]:
-    """ms an engine step of each kind at batch 1 (PLAIN, WAITED, 1..k drafts) per shape, medians of
-    `rounds` alternating rounds of `steps` steps."""
+def measure(shapes: list[str], batches: list[int], k: int, steps: int, rounds: int, device: str) -> dict[str, Any]:
+    """ms an engine step of each kind per shape and batch, every sequence alike: PLAIN, WAITED and
+    1..k drafts at batch 1 (what the replay needs), PLAIN, WAITED and k drafts at larger batches
+    (what the verify step costs beside a batch). Medians of `rounds` alternating rounds of `steps`
+    steps."""
     import torch
 
+    from bench.gpu import release, sync
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -162,43 +166,57 @@ def measure(shapes: list[str], k: int, steps: int, rounds: int) -> dict[str, Any
     results: dict[str, Any] = {}
     try:
         for shape in shapes:
-            engine = LLMEngine(EngineConfig(model=f"random:{shape}", kv_cache_memory="8GiB", max_num_seqs=1,
-                                            speculative_method="ngram", num_speculative_tokens=k,
-                                            speculative_max_batch=1))
-            engine.scheduler.gate = None
+            engine = LLMEngine(EngineConfig(model=f"random:{shape}", device=device,
+                                            kv_cache_memory="24GiB" if device.startswith("cuda") else None,
+                                            max_num_seqs=max(batches), speculative_method="ngram",
+                                            num_speculative_tokens=k, speculative_max_batch=max(batches),
+                                            speculative_gate=False))
             engine.warm_up()
-            kinds: dict[str, _Drafts] = {PLAIN: _Drafts(None, k), WAITED: _Drafts(0, k),
-                                          **{str(d): _Drafts(d, k) for d in range(1, k + 1)}}
-            params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (k + 1) * len(kinds) * rounds + 64,
-                                    ignore_eos=True)
-            engine.add_request([(7 * j) % 1000 + 1 for j in range(128)], params)
-            times: dict[str, list[float]] = {kind: [] for kind in kinds}
-            for r in range(rounds):
-                for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
-                    engine.scheduler.proposer = kinds[kind]
-                    for _ in range(8):
-                        engine.step()
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(steps):
-                        engine.step()
-                    torch.cuda.synchronize()
-                    times[kind].append((time.perf_counter() - start) / steps * 1000)
-            results[shape] = {kind: dict(ms=round(statistics.median(t), 4), runs=[round(x, 4) for x in t])
-                              for kind, t in times.items()}
-            print(f"{shape}: " + ", ".join(f"{kind} {v['ms']:.3f}" for kind, v in results[shape].items()) + " ms",
-                  file=sys.stderr, flush=True)
+            for batch in batches:
+                counts = range(1, k + 1) if batch == 1 else (k,)
+                kinds: dict[str, _Drafts] = {PLAIN: _Drafts(None, k), WAITED: _Drafts(0, k),
+                                              **{str(d): _Drafts(d, k) for d in counts}}
+                params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (k + 1) * len(kinds) * rounds + 64,
+                                        ignore_eos=True)
+                for i in range(batch):
+                    engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
+                times: dict[str, list[float]] = {kind: [] for kind in kinds}
+                for r in range(rounds):
+                    for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+                        engine.scheduler.proposer = kinds[kind]
+                        for _ in range(8):
+                            engine.step()
+                        sync(engine.runner.device)
+                        start = time.perf_counter()
+                        for _ in range(steps):
+                            engine.step()
+                        sync(engine.runner.device)
+                        times[kind].append((time.perf_counter() - start) / steps * 1000)
+                for request_id in list(engine.requests):  # a step still in flight for them is dropped later
+                    engine.abort(request_id)
+                key = shape if batch == 1 else f"{shape} batch {batch}"
+                results[key] = {kind: dict(ms=round(statistics.median(t), 4), runs=[round(x, 4) for x in t])
+                                for kind, t in times.items()}
+                print(f"{key}: " + ", ".join(f"{kind} {v['ms']:.3f}" for kind, v in results[key].items()) + " ms",
+                      file=sys.stderr, flush=True)
             engine.close()
             del engine
-            torch.cuda.empty_cache()
+            release(torch.device(device))
     finally:
         DraftState.record = record
-    return dict(bench="spec_costs", device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                commit=git_commit(), num_speculative_tokens=k, steps=steps, rounds=rounds, costs=results)
+    return dict(bench="spec_costs", device=torch.cuda.get_device_name() if device.startswith("cuda") else device, date=datetime.date.today().isoformat(),
+                commit=git_commit(), num_speculative_tokens=k, steps=steps, rounds=rounds, batches=batches,
+                costs=results)
+
+
+def batch_one(costs: dict[str, Any] | None) -> dict[str, dict[str, float]]:
+    """--measure's step prices at batch 1 by shape (ms by kind): what the replay is priced by."""
+    return {shape: {kind: v["ms"] for kind, v in by_kind.items()}
+            for shape, by_kind in (costs["costs"].items() if costs else []) if " batch " not in shape}
 
 
 def table(rows: list[dict[str, Any]], costs: dict[str, Any] | None) -> str:
-    shapes = list(costs["costs"]) if costs else []
+    shapes = list(batch_one(costs))
     lines = ["| workload | method | tokens | steps (decode / waited / with drafts) | acceptance | "
              + " | ".join(f"x {s} (composed)" for s in shapes) + " |",
              "|---|---|---:|---|---:|" + "---:|" * len(shapes)]
@@ -216,7 +234,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure", action="store_true", help="price each kind of step on CUDA (no replay)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--batches", default="1,8,64", help="--measure's batch sizes (the replay is priced at batch 1)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--device", default="cuda", help="--measure's device (cpu: a smoke run)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--costs", type=Path, help="--measure's JSON, to compose the replay with")
@@ -225,15 +245,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.measure:
-        doc = measure(args.shapes.split(","), args.num_speculative_tokens, args.steps, args.rounds)
+        doc = measure(args.shapes.split(","), [int(b) for b in args.batches.split(",")], args.num_speculative_tokens,
+                      args.steps, args.rounds, args.device)
         print(json.dumps(doc["costs"], indent=1))
     else:
         costs = json.loads(args.costs.read_text()) if args.costs else None
         rows = replay_all(args.num_speculative_tokens, args.outputs, args.tokenizer)
         for row in rows:
-            row["speedups"] = {shape: round(compose(row["steps"], row["tokens"],
-                                                    {kind: v["ms"] for kind, v in by_kind.items()}), 3)
-                               for shape, by_kind in (costs["costs"].items() if costs else [])}
+            row["speedups"] = {shape: round(compose(row["steps"], row["tokens"], prices), 3)
+                               for shape, prices in batch_one(costs).items()}
         doc = dict(bench="spec_composed", date=datetime.date.today().isoformat(), commit=git_commit(),
                    num_speculative_tokens=args.num_speculative_tokens, texts=str(args.outputs or "references"),
                    costs=costs, composed=True, rows=rows)

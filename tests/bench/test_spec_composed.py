@@ -58,3 +58,18 @@ def test_spec_composed_replays_the_references(tmp_path: Path, run_script, capsys
     assert rows["grounded_qa", "suffix"]["accepted"] / rows["grounded_qa", "suffix"]["drafted"] > 0.8
     assert rows["agent_loop", "ngram"]["speedups"]["shape"] > 1.5
     assert "| code_edit | ngram |" in captured.out
+
+
+def test_spec_composed_measure_smoke_prices_every_kind_of_step(tmp_path: Path, run_script, capsys) -> None:
+    out = tmp_path / "costs.json"
+    code = run_script("spec_composed.py", "--measure", "--device", "cpu", "--shapes", "tiny-llama3", "--batches",
+                      "1,2", "--steps", "2", "--rounds", "2", "--out", str(out))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "spec_costs" and doc["device"] == "cpu" and doc["commit"] and doc["batches"] == [1, 2]
+    costs = doc["costs"]
+    assert set(costs) == {"tiny-llama3", "tiny-llama3 batch 2"}
+    assert set(costs["tiny-llama3"]) == {PLAIN, WAITED, "1", "2", "3", "4"}
+    assert set(costs["tiny-llama3 batch 2"]) == {PLAIN, WAITED, "4"}
+    assert all(len(v["runs"]) == 2 and v["ms"] > 0 for by_kind in costs.values() for v in by_kind.values())
