@@ -17,10 +17,6 @@ from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative import DraftState, Proposer, SpeedGate
 
-# The share of running sequences that must likely propose drafts before a step waits for the one in
-# flight to draft after it: a step waits for all of its sequences.
-DRAFT_SHARE = 0.5
-
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -139,16 +135,13 @@ class Scheduler:
         return budget - half if any(s.num_tokens <= half for s in self.waiting) else budget
 
     def drafting(self) -> bool:
-        """Whether the next schedule may give decodes drafts: then the engine reads the step in
+        """Whether the next schedule may give a decode drafts: then the engine reads the step in
         flight first, as drafts follow real ids. Not past max_draft_batch running sequences, nor
-        while the gate is shut, nor unless at least half the running sequences (DRAFT_SHARE) would
-        likely propose (Proposer.likely) and are not waiting out their misses
-        (speculative.DraftState): every sequence in the step waits, for the few that draft."""
-        if self.proposer is None or len(self.running) > self.max_draft_batch or (
-                self.gate is not None and not self.gate.open(len(self.running))):
-            return False
-        likely = sum(1 for s in self.running if (s.drafting is None or not s.drafting.skip) and self.proposer.likely(s))
-        return likely > 0 and likely >= DRAFT_SHARE * len(self.running)
+        while every one waits out its misses (speculative.DraftState) or has nothing it would likely
+        propose (Proposer.likely), nor while the gate is shut."""
+        return (self.proposer is not None and len(self.running) <= self.max_draft_batch
+                and (self.gate is None or self.gate.open(len(self.running)))
+                and any((s.drafting is None or not s.drafting.skip) and self.proposer.likely(s) for s in self.running))
 
     def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
         """The decodes that may draft this step, each with its most drafts (before the step's token
