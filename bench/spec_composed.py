@@ -29,7 +29,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -156,7 +155,8 @@ def measure(shapes: list[str], batches: list[int], k: int, steps: int, rounds: i
     steps."""
     import torch
 
-    from bench.gpu import release, sync
+    from bench.gpu import release
+    from bench.graph_ab import timed_steps
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -176,7 +176,7 @@ def measure(shapes: list[str], batches: list[int], k: int, steps: int, rounds: i
                 counts = range(1, k + 1) if batch == 1 else (k,)
                 kinds: dict[str, _Drafts] = {PLAIN: _Drafts(None, k), WAITED: _Drafts(0, k),
                                               **{str(d): _Drafts(d, k) for d in counts}}
-                params = SamplingParams(temperature=0, max_tokens=(steps + 8) * (k + 1) * len(kinds) * rounds + 64,
+                params = SamplingParams(temperature=0, max_tokens=(steps + 5) * (k + 1) * len(kinds) * rounds + 64,
                                         ignore_eos=True)
                 for i in range(batch):
                     engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
@@ -184,14 +184,7 @@ def measure(shapes: list[str], batches: list[int], k: int, steps: int, rounds: i
                 for r in range(rounds):
                     for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
                         engine.scheduler.proposer = kinds[kind]
-                        for _ in range(8):
-                            engine.step()
-                        sync(engine.runner.device)
-                        start = time.perf_counter()
-                        for _ in range(steps):
-                            engine.step()
-                        sync(engine.runner.device)
-                        times[kind].append((time.perf_counter() - start) / steps * 1000)
+                        times[kind].append(timed_steps(engine, steps))
                 for request_id in list(engine.requests):  # a step still in flight for them is dropped later
                     engine.abort(request_id)
                 key = shape if batch == 1 else f"{shape} batch {batch}"
@@ -204,9 +197,9 @@ def measure(shapes: list[str], batches: list[int], k: int, steps: int, rounds: i
             release(torch.device(device))
     finally:
         DraftState.record = record
-    return dict(bench="spec_costs", device=torch.cuda.get_device_name() if device.startswith("cuda") else device, date=datetime.date.today().isoformat(),
-                commit=git_commit(), num_speculative_tokens=k, steps=steps, rounds=rounds, batches=batches,
-                costs=results)
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else device
+    return dict(bench="spec_costs", device=name, date=datetime.date.today().isoformat(), commit=git_commit(),
+                num_speculative_tokens=k, steps=steps, rounds=rounds, batches=batches, costs=results)
 
 
 def batch_one(costs: dict[str, Any] | None) -> dict[str, dict[str, float]]:
@@ -241,7 +234,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--costs", type=Path, help="--measure's JSON, to compose the replay with")
     parser.add_argument("--outputs", type=Path, help="JSON {workload: text} replayed instead of the references")
-    parser.add_argument("--tokenizer", default="default", help="the replay's tokenizer: a model directory, or the embedded model's")
+    parser.add_argument("--tokenizer", default="default",
+                        help="the replay's tokenizer: a model directory, or the embedded model's")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.measure:

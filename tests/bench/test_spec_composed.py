@@ -45,7 +45,8 @@ def test_spec_composed_replays_the_references(tmp_path: Path, run_script, capsys
     kinds = {PLAIN: 1.0, WAITED: 1.2, **{str(d): 1.2 + 0.1 * d for d in range(1, 5)}}
     costs.write_text(json.dumps({"costs": {"shape": {kind: {"ms": ms} for kind, ms in kinds.items()}}}))
     out = tmp_path / "composed.json"
-    code = run_script("spec_composed.py", "--costs", str(costs), "--tokenizer", str(default_model_dir), "--out", str(out))
+    code = run_script("spec_composed.py", "--costs", str(costs), "--tokenizer", str(default_model_dir),
+                      "--out", str(out))
     captured = capsys.readouterr()
     assert code == 0, captured.err[-4000:]
     doc = json.loads(out.read_text())
