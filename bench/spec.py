@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outputs = {system: timed(engine, prompt, params)[2] for system, engine in engines.items()}  # warm
             order = [PLAIN, method]
             runs: dict[str, list[float]] = {PLAIN: [], method: []}
-            drafted = accepted = tokens = 0
+            drafted = accepted = 0
+            tokens: dict[str, int] = {}  # each system's tokens (bf16 on a GPU: their outputs may differ)
             same = outputs[method] == outputs[PLAIN]
             for rep in range(args.reps):
                 for system in order if rep % 2 == 0 else order[::-1]:
@@ -93,10 +94,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # GPU a verify step's rows take other kernels than a decode's (rounding may differ).
                     assert same or not exact, f"{name} batch {batch}: {system}'s tokens differ"
                     runs[system].append(count / seconds)
-                    tokens = count
+                    tokens[system] = count
                     drafted, accepted = drafted + d, accepted + a
             for system in order:
-                row = dict(workload=name, batch=batch, system=system, metric="tok_s", tokens=tokens, **spread(runs[system]))
+                row = dict(workload=name, batch=batch, system=system, metric="tok_s", tokens=tokens[system],
+                           **spread(runs[system]))
                 if system == method:
                     row["same_tokens"] = same
                     row["acceptance"] = round(accepted / drafted, 3) if drafted else None
