@@ -7,8 +7,9 @@ engine/scheduler.py's draft limits) decides whether the step waits for the one i
 proposal is likely, or the step before carried drafts), how many drafts it may take, and what the
 proposer offers, with speculative.DraftState backing off as it does in the engine. The texts are
 bench/data/spec_workloads.json's references (what a model that does each task would answer) or,
-with --outputs, a model's own greedy output (then the replay counts what bench/spec.py measured).
-Tokens are the embedded model's (SmolLM2's tokenizer).
+with --outputs, a model's own greedy outputs (given the same ids and max_tokens, the replay makes
+exactly the drafts the engine makes: tests/bench/test_spec_composed.py). Tokens are the embedded
+model's (SmolLM2's tokenizer).
 
 Measure (--measure, on CUDA): an engine step of each kind on random weights of the named shapes:
 an overlapped decode (nothing to propose), a decode that waited for the step in flight and found
