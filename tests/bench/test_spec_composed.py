@@ -16,7 +16,7 @@ WORKLOADS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "data" /
 
 def test_replay_drafts_and_accepts_what_the_engine_does(default_model_dir: Path) -> None:
     chat = WORKLOADS["workloads"]["agent_loop"]
-    params = SamplingParams(temperature=0, max_tokens=40)
+    params = SamplingParams(temperature=0, max_tokens=24)
     plain = LLMEngine(EngineConfig(model=str(default_model_dir), device="cpu"))
     prompt = list(plain.make_request(chat, params).prompt_token_ids)
     text = plain.generate([chat], params)[0].token_ids
