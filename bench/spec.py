@@ -130,7 +130,8 @@ def main() -> int:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--speculative-model", help="the draft model of --method draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--ungated", action="store_true", help="--speculative-gate false: draft beside a batch even where it measures slower")
+    parser.add_argument("--ungated", action="store_true",
+                        help="--speculative-gate false: draft beside a batch even where it measures slower")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
