@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import decode_attention_triton, num_splits_for
+from kernels.decode_attention import AttentionSplits, decode_attention_splits, decode_attention_triton, num_splits_for
 from kernels.dispatch import to_device, use_triton
 from kernels.prefill_attention import prefill_attention_triton
 
@@ -149,12 +149,18 @@ def paged_attention_ref(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    keep_splits: bool = False,
+) -> torch.Tensor | AttentionSplits:
     """Paged attention: decode batches through the Triton flash-decoding kernel (no host syncs, so
-    graph-safe), batches with prefill chunks through the Triton prefill/extend kernel."""
+    graph-safe), batches with prefill chunks through the Triton prefill/extend kernel. With
+    keep_splits, a decode batch spread over several splits comes back as its AttentionSplits, for
+    o_proj to merge (or AttentionSplits.merged)."""
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if meta.decode_only and keep_splits and meta.num_splits > 1:
+        return decode_attention_splits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
+                                       meta.fresh)
     if meta.decode_only:
         return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
                                        meta.fresh)

@@ -10,6 +10,8 @@ size and number of splits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -110,6 +112,47 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """q: [B, H, D] (one query per sequence); caches: [num_blocks, block_size, KV, D]; → [B, H, D].
     fresh [B] int32: each row's first key written by the kernel before this one (default its last)."""
+    if num_splits == 1:  # the split kernel writes out itself: no partials
+        return _decode_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, 1, fresh)[0]
+    part_out, part_lse = _decode_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, fresh)
+    return merge_splits(part_out, part_lse, q.dtype)
+
+
+@dataclass
+class AttentionSplits:
+    """Decode attention's splits, not yet merged: what o_proj may merge in its own kernel
+    (kernels/attention_projection.py) instead of the merge kernel. Split s of a sequence attended
+    to the keys of the split_tokens-token tiles s, s + S, s + 2S, ... of its context."""
+
+    part_out: torch.Tensor  # [B, H, S, D] float32: each split's output
+    part_lse: torch.Tensor  # [B, H, S] float32: its log-sum-exp (-inf: a split past the context)
+    seq_lens: torch.Tensor  # [B] int32
+    num_kv_heads: int
+    split_tokens: int
+    dtype: torch.dtype  # the attention output's
+
+    def merged(self) -> torch.Tensor:
+        """The attention output [B, H * D], through the merge kernel."""
+        return merge_splits(self.part_out, self.part_lse, self.dtype).flatten(1)
+
+
+def decode_attention_splits(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int, fresh: torch.Tensor | None = None,
+) -> AttentionSplits:
+    """decode_attention_triton (num_splits > 1) without its merge."""
+    part_out, part_lse = _decode_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, fresh)
+    return AttentionSplits(part_out, part_lse, seq_lens, k_cache.shape[2], split_tokens(q.shape[-1]), q.dtype)
+
+
+def split_tokens(head_dim: int) -> int:
+    """Keys in each tile a split takes in turn."""
+    return 64 if head_dim <= 128 else 32
+
+
+def _decode_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, num_splits: int, fresh: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     if fresh is None:
         fresh = seq_lens - 1
     batch, num_heads, head_dim = q.shape
@@ -129,11 +172,17 @@ def decode_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        TILE=64 if head_dim <= 128 else 32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
+        TILE=split_tokens(head_dim), NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
         **launch_options(pdl),
     )
-    if num_splits == 1:
-        return out
+    return (out, out) if num_splits == 1 else (part_out, part_lse)
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """decode_attention_splits' partials merged: [B, H, D] in dtype."""
+    batch, num_heads, num_splits, head_dim = part_out.shape
+    out = torch.empty(batch, num_heads, head_dim, dtype=dtype, device=part_out.device)
+    pdl = programmatic_launch(part_out)
     _merge_splits_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2), PDL=pdl,

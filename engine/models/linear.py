@@ -12,6 +12,8 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
+from kernels.attention_projection import merge_o_add_norm, merges_splits
+from kernels.decode_attention import AttentionSplits
 from kernels.dispatch import folds_norms, use_triton
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, fused_rows
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
@@ -39,17 +41,30 @@ class Projection(nn.Module):
         kernels/split_k.py's FUSED_ROWS."""
         return use_triton(x) and few_rows(x)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+    def add_norm(self, x: torch.Tensor | AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """self(x), then the residual add and the RMSNorm after it: (normalized, new residual, None);
         or, where fuses(x) and norms fold (kernels/dispatch.py's folds_norms), the format's
         kernel with the norm in its epilogue, the rows left for the next projection to finish
-        (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale)."""
+        (kernels/rmsnorm.py's add_norm_ref): (h * norm_weight, h, NormScale). x may be decode
+        attention's unmerged splits: merged by the format's kernel where merges(x), else first."""
+        if isinstance(x, AttentionSplits):
+            if folds_norms(x.part_out) and self.merges(x):
+                return self.merged_add_norm(x, residual, norm_weight, eps)
+            x = x.merged()
         if folds_norms(x) and self.fuses(x):
             return self.folded_add_norm(x, residual, norm_weight, eps)
         return (*rms_norm(self(x), norm_weight, eps, residual), None)  # self(x): forward hooks see it
 
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        raise NotImplementedError
+
+    def merges(self, splits: AttentionSplits) -> bool:
+        """Whether this format's kernel merges decode attention's splits itself (add_norm)."""
+        return False
+
+    def merged_add_norm(self, splits: AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         raise NotImplementedError
 
@@ -83,6 +98,13 @@ class Linear(Projection):
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
+
+    def merges(self, splits: AttentionSplits) -> bool:
+        return merges_splits(splits, self.weight)
+
+    def merged_add_norm(self, splits: AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        return merge_o_add_norm(splits, self.weight, self.bias, residual, norm_weight, eps)
 
     def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return float_linear_rope_kv(x, self.weight, self.bias, norm_in, rope)

@@ -20,6 +20,7 @@ from engine.models.config import ModelConfig, QuantConfig
 from engine.models.linear import Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
+from kernels.decode_attention import AttentionSplits
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
 
@@ -51,15 +52,15 @@ class DecoderLayer(nn.Module):
         normalized by next_norm, with the new residual (next_norm None: the last layer's output,
         not yet added to the residual or normalized). Whether a norm folds is the projections'
         choice (one row on a one-row kernel: decode at batch 1), so this is every batch's path."""
-        attn = self.attend(positions, hidden, kv_cache, meta, cos_sin, norm_in)
+        attn = self.attend(positions, hidden, kv_cache, meta, cos_sin, norm_in, keep_splits=self.tp.size == 1)
         hidden, residual, norm_in = self.add_norm(self.o_proj, attn, residual, self.post_attention_layernorm)
         hidden = self.gate_up_proj(hidden, silu_mul=True, norm_in=norm_in)
         if next_norm is None:
             return self.tp.all_reduce(self.down_proj(hidden)), residual, None
         return self.add_norm(self.down_proj, hidden, residual, next_norm)
 
-    def add_norm(self, proj: Projection, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+    def add_norm(self, proj: Projection, x: torch.Tensor | AttentionSplits, residual: torch.Tensor,
+                 norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         """A row-parallel projection, the residual add and the next RMSNorm (Projection.add_norm)."""
         if self.tp.size > 1:  # the all-reduce goes between the projection and the residual add
             return (*rms_norm(self.tp.all_reduce(proj(x)), norm_weight, self.eps, residual), None)
@@ -77,13 +78,16 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(self.down_proj(self.gate_up_proj(hidden, silu_mul=True)))
 
     def attend(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               cos_sin: torch.Tensor, norm_in: NormScale | None = None) -> torch.Tensor:
-        """QKV, RoPE and attention: o_proj's input [tokens, q heads * head_dim]."""
+               cos_sin: torch.Tensor, norm_in: NormScale | None = None, keep_splits: bool = False
+               ) -> torch.Tensor | AttentionSplits:
+        """QKV, RoPE and attention: o_proj's input [tokens, q heads * head_dim], or with keep_splits
+        decode attention's splits unmerged, which o_proj merges (Projection.add_norm)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         rope = RopeKV(positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
                       self.head_dim)
         q = self.qkv_proj.rope_store_kv(hidden, norm_in, rope)
-        return paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(hidden.shape[0], -1)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, keep_splits)
+        return attn if isinstance(attn, AttentionSplits) else attn.reshape(hidden.shape[0], -1)
 
 
 class DecoderModel(nn.Module):

@@ -65,8 +65,10 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
                                                                     shape: str) -> None:
     """Up to FLOAT_FUSED_ROWS tokens (one for float32; FEW_ROWS when the few-row kernel takes them)
     through a float model on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the
-    projections' epilogues and scaled outputs do the rest. The logits are the unfolded path's and
-    transformers'; more rows take cuBLAS and the kernels apart."""
+    projections' epilogues and scaled outputs do the rest; one decode row's o_proj merges attention's
+    splits too (no merge kernel). The logits are the unfolded path's and transformers'; more rows
+    take cuBLAS and the kernels apart."""
+    import kernels.decode_attention as decode_attention
     import kernels.rmsnorm as rmsnorm
     import kernels.rope as rope
     from engine.loader import load_model
@@ -78,7 +80,7 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
     path, hf = tiny_model_dir(shape)
     model = load_model(path, torch.float32, torch.device("cpu"))
     layers = model.cfg.num_layers
-    calls: dict[str, int] = {"norm": 0, "rope": 0}
+    calls: dict[str, int] = {"norm": 0, "rope": 0, "merge": 0}
     norm_kernel, rope_kernel = rmsnorm.rms_norm_triton, rope.rope_store_kv_triton
 
     def counted(name, kernel):
@@ -86,21 +88,23 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
 
     monkeypatch.setattr(rmsnorm, "rms_norm_triton", counted("norm", norm_kernel))
     monkeypatch.setattr(rope, "rope_store_kv_triton", counted("rope", rope_kernel))
+    monkeypatch.setattr(decode_attention, "merge_splits", counted("merge", decode_attention.merge_splits))
 
     def run(prompt: list[int]) -> tuple[torch.Tensor, dict[str, int]]:
-        calls.update(norm=0, rope=0)
+        calls.update(norm=0, rope=0, merge=0)
         logits = prompt_logits(model, prompt)
         with torch.no_grad():
             torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0].float(), atol=1e-4, rtol=1e-4)
         return logits, dict(calls)
 
     folded, counts = run([7])
-    assert counts == {"norm": 2, "rope": 0}
+    assert counts == {"norm": 2, "rope": 0, "merge": 0}
     with unfolded_norms():
         apart, counts = run([7])
-    assert counts == {"norm": 2 * layers + 1, "rope": 0}
+    assert counts == {"norm": 2 * layers + 1, "rope": 0, "merge": layers}
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
-    assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers}  # past FLOAT_FUSED_ROWS: cuBLAS
+    # past FLOAT_FUSED_ROWS: cuBLAS
+    assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers, "merge": 0}
     monkeypatch.setitem(float_linear.FLOAT_FUSED_ROWS, torch.float32, FEW_ROWS)
-    assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0}  # the few-row kernel
-    assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers}
+    assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0, "merge": 0}  # the few-row kernel
+    assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers, "merge": 0}
