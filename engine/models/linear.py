@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import QuantConfig
-from kernels.attention_projection import merge_o_add_norm, merges_splits
+from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm, merges_splits
 from kernels.decode_attention import AttentionSplits
 from kernels.dispatch import folds_norms, use_triton
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, fused_rows
@@ -100,7 +100,7 @@ class Linear(Projection):
         return float_linear_add_norm(x, self.weight, self.bias, residual, norm_weight, eps)
 
     def merges(self, splits: AttentionSplits) -> bool:
-        return merges_splits(splits, self.weight)
+        return merges_splits(splits, self.out_features, self.weight)
 
     def merged_add_norm(self, splits: AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
@@ -163,6 +163,14 @@ class Int4Linear(Projection):
         return int4_linear_add_norm(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                     self.bias, residual, norm_weight, eps)
 
+    def merges(self, splits: AttentionSplits) -> bool:
+        return merges_splits(splits, self.out_features, self._runtime_weight())
+
+    def merged_add_norm(self, splits: AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        return int4_merge_o_add_norm(splits, self._runtime_weight(), self.weight_zeros, self.weight_scales,
+                                     self.group_size, self.bias, residual, norm_weight, eps)
+
     def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return int4_linear_rope_kv(x, self._runtime_weight(), self.weight_zeros, self.weight_scales, self.group_size,
                                    self.bias, norm_in, rope)
@@ -220,6 +228,13 @@ class Fp8Linear(Projection):
     def folded_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
         return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
+
+    def merges(self, splits: AttentionSplits) -> bool:
+        return merges_splits(splits, self.out_features, self.weight)
+
+    def merged_add_norm(self, splits: AttentionSplits, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, NormScale | None]:
+        return fp8_merge_o_add_norm(splits, self.weight, self.weight_scale, self.bias, residual, norm_weight, eps)
 
     def fused_rope_kv(self, x: torch.Tensor, norm_in: NormScale | None, rope: RopeKV) -> torch.Tensor:
         return fp8_linear_rope_kv(x, self.weight, self.weight_scale, self.bias, norm_in, rope)

@@ -1,6 +1,7 @@
-"""o_proj merging decode attention's splits (kernels/attention_projection.py) against the merge
-kernel, F.linear and add_norm_ref on a CUDA GPU, at the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B
-head and hidden shapes, outputs poisoned (run through the device tool; skipped without a GPU)."""
+"""o_proj merging decode attention's splits (kernels/attention_projection.py), over float, FP8 and
+INT4 weights, against the merge kernel, the dequantized F.linear and add_norm_ref on a CUDA GPU, at
+the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B head and hidden shapes, outputs poisoned (run
+through the device tool; skipped without a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,11 @@ import torch
 
 import kernels.attention_projection as attention_projection
 from kernels.attention import AttentionMetadata
-from kernels.attention_projection import merge_o_add_norm
+from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm
 from kernels.decode_attention import decode_attention_splits
 from kernels.rmsnorm import add_norm_ref
+from kernels.fp8_linear import quantize_fp8
+from kernels.int4_layout import dequantize_int4, pack_int4
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -20,10 +23,27 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 1024
 SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64), "llama-3.2-1b": (2048, 32, 8, 64), "llama-3.1-8b": (4096, 32, 8, 128)}
 
 
+def _o_proj(fmt: str, hidden: int, inputs: int, dtype: torch.dtype, gen: torch.Generator):
+    """(merge(splits, residual, norm_weight, eps), the dequantized weight in dtype)."""
+    weight = torch.randn(hidden, inputs, device="cuda", generator=gen) * inputs**-0.5
+    if fmt == "float":
+        weight = weight.to(dtype)
+        return lambda *a: merge_o_add_norm(a[0], weight, None, *a[1:]), weight
+    if fmt == "fp8":
+        w8, scale = quantize_fp8(weight)
+        return lambda *a: fp8_merge_o_add_norm(a[0], w8, scale, None, *a[1:]), (w8.float() * scale[:, None]).to(dtype)
+    q = pack_int4(torch.randint(0, 16, (hidden, inputs), device="cuda", generator=gen))
+    zeros = torch.randint(0, 16, (hidden, inputs // 128), device="cuda", generator=gen).to(torch.float16)
+    scales = (torch.rand(hidden, inputs // 128, device="cuda", generator=gen) * 0.02 + 0.005).to(torch.float16)
+    return (lambda *a: int4_merge_o_add_norm(a[0], q, zeros, scales, 128, None, *a[1:]),
+            dequantize_int4(q, zeros.float(), scales.float(), 128).to(dtype))
+
+
+@pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("seq_len", [1, 130, 2049, 8192])
-def test_merge_o_add_norm(monkeypatch, dtype, model, seq_len) -> None:
+def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
     # The 8B shape's partials are over MAX_PARTIAL_READS, so the engine merges them apart; the
     # kernel must still be right there.
     monkeypatch.setattr(attention_projection, "MAX_PARTIAL_READS", 1 << 40)
@@ -34,13 +54,13 @@ def test_merge_o_add_norm(monkeypatch, dtype, model, seq_len) -> None:
     table = torch.randperm(NUM_BLOCKS)[: -(-seq_len // BLOCK_SIZE)].tolist()
     meta = AttentionMetadata.from_host([0], [1], [seq_len], [table], kv_heads, torch.device("cuda"))
     q = torch.randn(1, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-    weight = torch.randn(hidden, heads * head_dim, device="cuda", dtype=dtype, generator=gen) * (heads * head_dim) ** -0.5
+    merge, weight = _o_proj(fmt, hidden, heads * head_dim, dtype, gen)
     residual = torch.randn(1, hidden, device="cuda", dtype=dtype, generator=gen)
     norm_weight = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=dtype, generator=gen)
     with nan_poisoned_allocations():
         splits = decode_attention_splits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, head_dim**-0.5,
                                          meta.num_splits)
-        out, h, scale = merge_o_add_norm(splits, weight, None, residual, norm_weight, 1e-5)
+        out, h, scale = merge(splits, residual, norm_weight, 1e-5)
         attn = splits.merged()
     ref_out, ref_h, ref_scale = add_norm_ref(torch.nn.functional.linear(attn, weight), residual, norm_weight, 1e-5)
     assert rel_err(h, ref_h) < 1e-2 and rel_err(out, ref_out) < 1e-2

@@ -1,27 +1,48 @@
 """o_proj merging decode attention's splits with the add-norm after it
-(kernels/attention_projection.py) against dense attention, the projection and add_norm_ref, on CPU
-through Triton's interpreter."""
+(kernels/attention_projection.py), over float, FP8 and INT4 weights, against dense attention, the
+dequantized projection and add_norm_ref, on CPU through Triton's interpreter."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import kernels.attention_projection as attention_projection
-from kernels.attention_projection import merge_o_add_norm, merges_splits
+from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm, merges_splits
 from kernels.decode_attention import AttentionSplits, decode_attention_splits
+from kernels.fp8_linear import quantize_fp8
+from kernels.int4_layout import dequantize_int4, pack_int4
 from kernels.rmsnorm import add_norm_ref
 from kernels.split_k import _TILE_COUNTS
 from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_attention import dense_attention
 
 
+def _o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: torch.dtype):
+    """(merge(splits, residual, norm_weight, eps), the dequantized weight in dtype) for a random weight."""
+    weight = torch.randn(hidden, inputs, generator=gen) * inputs**-0.5
+    if fmt == "float":
+        weight = weight.to(dtype)
+        return lambda *a: merge_o_add_norm(a[0], weight, None, *a[1:]), weight
+    if fmt == "fp8":
+        w8, scale = quantize_fp8(weight)
+        return (lambda *a: fp8_merge_o_add_norm(a[0], w8, scale, None, *a[1:]),
+                (w8.float() * scale[:, None]).to(dtype))
+    group_size = 16  # two groups a 32-dim head
+    q = pack_int4(torch.randint(0, 16, (hidden, inputs), generator=gen))
+    zeros = torch.randint(0, 16, (hidden, inputs // group_size), generator=gen).to(torch.float16)
+    scales = (torch.rand(hidden, inputs // group_size, generator=gen) * 0.02 + 0.005).to(torch.float16)
+    return (lambda *a: int4_merge_o_add_norm(a[0], q, zeros, scales, group_size, None, *a[1:]),
+            dequantize_int4(q, zeros.float(), scales.float(), group_size).to(dtype))  # exact, as the kernel
+
+
+@pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 1), (9, 3)])
 @pytest.mark.parametrize("seq_len, fresh, chunk_values", [(1, 0, 8192), (23, 22, 8192), (300, 299, 8192),
                                                           (300, 295, 256)],
                          ids=["one-key", "one-tile", "five-splits", "verify-rows-in-chunks"])
-def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, dtype, heads, kv_heads, seq_len, fresh,
-                                            chunk_values) -> None:
+def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, fmt, dtype, heads, kv_heads, seq_len,
+                                            fresh, chunk_values) -> None:
     monkeypatch.setattr(attention_projection, "MERGE_ROWS", 32)  # 80 outputs: two whole row tiles and a part
     monkeypatch.setattr(attention_projection, "CHUNK_VALUES", chunk_values)  # 256: two splits a chunk
     gen = torch.Generator().manual_seed(seq_len + heads)
@@ -31,14 +52,13 @@ def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, dty
     table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)].tolist()
     block_table = torch.tensor([table + [10**6] * 2], dtype=torch.int32)  # entries past the end are never read
     q = torch.randn(1, heads, dim, generator=gen).to(dtype)
-    weight = (torch.randn(hidden, heads * dim, generator=gen) * (heads * dim) ** -0.5).to(dtype)
+    merge, weight = _o_proj(fmt, gen, hidden, heads * dim, dtype)
     residual = torch.randn(1, hidden, generator=gen).to(dtype)
     norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
     lens, first_new = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([fresh], dtype=torch.int32)
     with nan_poisoned_allocations():
         splits = decode_attention_splits(q, k_cache, v_cache, block_table, lens, dim**-0.5, num_splits, first_new)
-        assert merges_splits(splits, weight)
-        out, h, scale = merge_o_add_norm(splits, weight, None, residual, norm_weight, 1e-6)
+        out, h, scale = merge(splits, residual, norm_weight, 1e-6)
     keys, values = k_cache[table].flatten(0, 1)[:seq_len], v_cache[table].flatten(0, 1)[:seq_len]
     attn = dense_attention(q, keys, values, dim**-0.5).to(dtype).reshape(1, -1)
     ref_out, ref_h, ref_scale = add_norm_ref(torch.nn.functional.linear(attn, weight), residual, norm_weight, 1e-6)
@@ -57,7 +77,7 @@ def test_only_one_row_whose_partials_fit_merges_in_o_proj(monkeypatch) -> None:
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     llama_1b, llama_8b = torch.zeros(2048, 2048), torch.zeros(4096, 4096)
-    assert merges_splits(splits(1, 32, 32, 64), llama_1b)  # 32 row tiles re-read 8 MB of partials
-    assert not merges_splits(splits(1, 32, 32, 128), llama_8b)  # 64 row tiles, 32 MB
-    assert not merges_splits(splits(2, 32, 32, 64), llama_1b)
-    assert not merges_splits(splits(1, 32, 32, 64), llama_1b.t())
+    assert merges_splits(splits(1, 32, 32, 64), 2048, llama_1b)  # 32 row tiles re-read 8 MB of partials
+    assert not merges_splits(splits(1, 32, 32, 128), 4096, llama_8b)  # 64 row tiles, 32 MB
+    assert not merges_splits(splits(2, 32, 32, 64), 2048, llama_1b)
+    assert not merges_splits(splits(1, 32, 32, 64), 2048, llama_1b.t())
