@@ -2,11 +2,12 @@
 
 One program per (sequence, KV head, split): it reads its KV tiles (64 tokens over several blocks)
 once for all the query heads of the group (GQA) with tensor-core dots, keeps an online softmax,
-and writes a partial result with its log-sum-exp; a second kernel merges the splits. Long contexts
-are spread over splits so that a small batch still fills the GPU; a batch that fills it alone
-(one split) takes one pass, the split kernel writing the output and no merge kernel after. Only
-device tensors are read (no host syncs), so it can be captured in a CUDA graph for a fixed batch
-size and number of splits.
+and writes a partial result with its log-sum-exp; a second kernel merges the splits, or o_proj's
+kernel does (AttentionSplits, kernels/attention_projection.py). Long contexts are spread over
+splits so that a small batch still fills the GPU; a batch that fills it alone (one split) takes
+one pass, the split kernel writing the output and no merge kernel after. Only device tensors are
+read (no host syncs), so it can be captured in a CUDA graph for a fixed batch size and number of
+splits.
 """
 from __future__ import annotations
 
@@ -158,12 +159,12 @@ def _decode_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv, _ = k_cache.shape
     group = num_heads // num_kv
-    out = torch.empty_like(q)
     if num_splits == 1:  # the split kernel writes out itself: no partials
-        part_out = part_lse = out
-    else:
+        out = part_out = part_lse = torch.empty_like(q)
+    else:  # partials only: out stands in, never written
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        out = part_out
     pdl = programmatic_launch(q)
     _decode_split_kernel[(batch, num_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, fresh, part_out, part_lse, out,
