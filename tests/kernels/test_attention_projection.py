@@ -35,9 +35,9 @@ def _o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: tor
             dequantize_int4(q, zeros.float(), scales.float(), group_size).to(dtype))  # exact, as the kernel
 
 
-@pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 1), (9, 3)])
+@pytest.mark.parametrize("fmt, heads, kv_heads", [("float", 8, 2), ("float", 6, 1), ("float", 9, 3), ("fp8", 8, 2),
+                                                  ("int4", 9, 3)])
 @pytest.mark.parametrize("seq_len, fresh, chunk_values", [(1, 0, 8192), (23, 22, 8192), (300, 299, 8192),
                                                           (300, 295, 256)],
                          ids=["one-key", "one-tile", "five-splits", "verify-rows-in-chunks"])
