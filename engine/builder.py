@@ -61,6 +61,10 @@ def load_draft(config: EngineConfig, device: torch.device, target_vocab: int, to
     return load_model(source, config.torch_dtype(), device, seed=config.weights_seed)
 
 
+# KV bytes per rank on CPU without --kv-cache-memory.
+CPU_KV_BUDGET = 1 << 30
+
+
 def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParallel,
                     draft: DecoderModel | None = None) -> int:
     """KV blocks per rank: what this rank's budget holds, the least over ranks (each holds the
@@ -71,7 +75,7 @@ def kv_cache_blocks(config: EngineConfig, model: DecoderModel, tp: TensorParalle
     elif device.type == "cuda":
         budget = _profiled_kv_budget(config, model)
     else:
-        budget = 1 << 30
+        budget = CPU_KV_BUDGET
     per_token = model.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft is not None else 0)
     blocks = tp.min(budget // (config.block_size * per_token), device)
     if blocks < 2:

@@ -23,6 +23,17 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from engine.model_store import DEFAULT_DIR_NAME, ensure_default_model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def small_cpu_kv_budget() -> Iterator[None]:
+    """Engines this process builds without kv_cache_memory hold 256 MiB of KV on CPU, not 1 GiB: the
+    suite builds dozens, and first touching each GiB (zeroing it) costs up to a second."""
+    from engine import builder
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "CPU_KV_BUDGET", 256 << 20)
+        yield
+
+
 @pytest.fixture
 def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """For one test, send CPU tensors to the Triton kernels, run by Triton's interpreter.
