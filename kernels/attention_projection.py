@@ -18,7 +18,8 @@ import triton.language as tl
 
 from kernels.decode_attention import AttentionSplits
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.fp8_linear import SIGN_EXP_MAN, _channel_scales, _e4m3x4_to_f32, _has_e4m3_cvt
+from kernels import fp8_linear
+from kernels.fp8_linear import SIGN_EXP_MAN, channel_scales, e4m3x4_to_f32
 from kernels.rmsnorm import NormScale
 from kernels.split_k import add_norm_operands, split_workspace, store_add_norm, sum_splits
 
@@ -117,7 +118,7 @@ def _merge_o_kernel(
     elif FORMAT == FP8_WORDS:
         o0, o1, o2, o3 = _columns_of_4(o)
         if CVT:
-            w0, w1, w2, w3 = _e4m3x4_to_f32(w)
+            w0, w1, w2, w3 = e4m3x4_to_f32(w)
             t = w0 * o0[None] + w1 * o1[None] + w2 * o2[None] + w3 * o3[None]
         else:  # the integer decode: e4m3 / 2**120 as float32 bits
             t = ((w << 24) >> 4 & sign_exp_man).to(tl.float32, bitcast=True) * o0[None]
@@ -162,7 +163,7 @@ def fp8_merge_o_add_norm(splits: AttentionSplits, weight: torch.Tensor, weight_s
                          ) -> tuple[torch.Tensor, torch.Tensor, NormScale]:
     """merge_o_add_norm over an FP8 weight (float8_e4m3fn [N, H * D], weight_scale per row or tensor)."""
     words = weight.view(torch.uint8).view(torch.int32)
-    scales = _channel_scales(weight_scale, weight.shape[0])
+    scales = channel_scales(weight_scale, weight.shape[0])
     return _merge_o(splits, FP8_WORDS, words, scales, words, 0, bias, residual, norm_weight, eps)
 
 
@@ -196,7 +197,7 @@ def _merge_o(splits: AttentionSplits, fmt: int, weight: torch.Tensor, scale: tor
         residual.reshape(1, -1).contiguous(), norm_weight.contiguous(), residual_out, sumsq,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, CHUNK=chunk,
         SPLIT_TOKENS=splits.split_tokens, ROWS=MERGE_ROWS, NUM_KV=splits.num_kv_heads, FORMAT=fmt,
-        CVT=fmt == FP8_WORDS and _has_e4m3_cvt(weight.device), HAS_BIAS=bias is not None, PDL=pdl, num_warps=4,
-        num_stages=1, **launch_options(pdl),
+        CVT=fmt == FP8_WORDS and fp8_linear.has_e4m3_cvt(weight.device), HAS_BIAS=bias is not None, PDL=pdl,
+        num_warps=4, num_stages=1, **launch_options(pdl),
     )
     return out.view(residual.shape), residual_out.view(residual.shape), NormScale(sumsq, eps)

@@ -102,7 +102,7 @@ SIGN_EXP_MAN = 0x87F00000 - 2**32  # as a signed int32: a kernel argument, so th
 
 
 @triton.jit
-def _e4m3x4_to_f32(words):
+def e4m3x4_to_f32(words):
     """The four e4m3 bytes of each int32 as four float32 tensors (byte j → the j-th), exactly, by
     Hopper's cvt.rn.f16x2.e4m3x2 (two bytes a conversion) and f16 → f32 conversions: less work a
     weight than the shifts-and-mask decode."""
@@ -158,7 +158,7 @@ def _fp8_gemv_kernel(
         c = c0 + tl.arange(0, BLOCK_W)
         c_ok = c < w_end
         if CVT:
-            w0, w1, w2, w3 = _e4m3x4_to_f32(p)
+            w0, w1, w2, w3 = e4m3x4_to_f32(p)
             acc += w0 * tl.load(x_ptr + c * 4, mask=c_ok, other=0.0).to(tl.float32)[None, :]
             acc += w1 * tl.load(x_ptr + c * 4 + 1, mask=c_ok, other=0.0).to(tl.float32)[None, :]
             acc += w2 * tl.load(x_ptr + c * 4 + 2, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -185,12 +185,12 @@ def _fp8_gemv_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _has_e4m3_cvt(device: torch.device) -> bool:
+def has_e4m3_cvt(device: torch.device) -> bool:
     """cvt.rn.f16x2.e4m3x2 exists from compute capability 8.9 (Ada, Hopper)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tensor:
+def channel_scales(weight_scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """float32 [N], from a per-channel [N] or a per-tensor [1] / [] scale."""
     scale = weight_scale.float().reshape(-1)
     return scale if scale.numel() == out_features else scale.expand(out_features).contiguous()
@@ -256,10 +256,10 @@ def _fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_gemv_kernel[(tiles, split_k)](
-        x, words, _channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
+        x, words, channel_scales(weight_scale, out_features), bias, out, part, counts, out_features,
         in_features, words.stride(0), per_split, SIGN_EXP_MAN, *norm_args, *rope_args, HAS_BIAS=bias is not None,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, CVT=_has_e4m3_cvt(x.device),
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, CVT=has_e4m3_cvt(x.device),
         num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
@@ -289,7 +289,7 @@ def _fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     norm_args, residual_out, sumsq = norm_arguments(out, num_tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
     _fp8_matmul_kernel[(num_tiles, split_k)](
-        x, weight.view(torch.uint8), _channel_scales(weight_scale, out_features), bias, out, part, counts,
+        x, weight.view(torch.uint8), channel_scales(weight_scale, out_features), bias, out, part, counts,
         rows, out_features, in_features, x.stride(0), weight.stride(0), per_split, *norm_args, *rope_args,
         HAS_BIAS=bias is not None, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
         FEW=few, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
@@ -312,7 +312,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     16): x quantized per token, torch._scaled_mm with row-wise scales, output in x's dtype."""
     out_features, in_features = weight.shape
     xq, scale_a = quantize_per_token(x.reshape(-1, in_features))
-    scale_b = _channel_scales(weight_scale, out_features).view(1, out_features)
+    scale_b = channel_scales(weight_scale, out_features).view(1, out_features)
     # Row-wise scaling outputs bf16 on every backend (some accept nothing else), then x's dtype.
     y = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     y = y.to(x.dtype)

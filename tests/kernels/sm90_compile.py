@@ -72,7 +72,7 @@ def main(shard: int = 0, shards: int = 1) -> int:
     for module in [m for name, m in sys.modules.items() if name.startswith("kernels.")]:
         if hasattr(module, "programmatic_launch"):  # as in a decode step's CUDA graph on Hopper
             module.programmatic_launch = lambda t: True
-    fp8_linear._has_e4m3_cvt = lambda device: True  # the GPU's e4m3 decode (inline PTX)
+    fp8_linear.has_e4m3_cvt = lambda device: True  # the GPU's e4m3 decode (inline PTX)
     cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         int4 = int4_checkpoint("tiny-llama3", 0, cpu, Path(tmp) / "int4")
