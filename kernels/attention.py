@@ -158,10 +158,10 @@ def paged_attention(
     o_proj to merge (or AttentionSplits.merged)."""
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    if meta.decode_only and keep_splits and meta.num_splits > 1:
-        return decode_attention_splits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
-                                       meta.fresh)
-    if meta.decode_only:
+    if meta.decode_only:  # a Python pass over the batch's query lengths: once a layer
+        if keep_splits and meta.num_splits > 1:
+            return decode_attention_splits(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                           meta.num_splits, meta.fresh)
         return decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
                                        meta.fresh)
     if dense_prefill(q, meta):
