@@ -9,34 +9,16 @@ import torch
 
 import kernels.attention_projection as attention_projection
 from kernels.attention import AttentionMetadata
-from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm
 from kernels.decode_attention import decode_attention_splits
 from kernels.rmsnorm import add_norm_ref
-from kernels.fp8_linear import quantize_fp8
-from kernels.int4_layout import dequantize_int4, pack_int4
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
+from tests.kernels.test_attention_projection import o_proj
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 1024
 SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64), "llama-3.2-1b": (2048, 32, 8, 64), "llama-3.1-8b": (4096, 32, 8, 128)}
-
-
-def _o_proj(fmt: str, hidden: int, inputs: int, dtype: torch.dtype, gen: torch.Generator):
-    """(merge(splits, residual, norm_weight, eps), the dequantized weight in dtype)."""
-    weight = torch.randn(hidden, inputs, device="cuda", generator=gen) * inputs**-0.5
-    if fmt == "float":
-        weight = weight.to(dtype)
-        return lambda *a: merge_o_add_norm(a[0], weight, None, *a[1:]), weight
-    if fmt == "fp8":
-        w8, scale = quantize_fp8(weight)
-        return lambda *a: fp8_merge_o_add_norm(a[0], w8, scale, None, *a[1:]), (w8.float() * scale[:, None]).to(dtype)
-    q = pack_int4(torch.randint(0, 16, (hidden, inputs), device="cuda", generator=gen))
-    zeros = torch.randint(0, 16, (hidden, inputs // 128), device="cuda", generator=gen).to(torch.float16)
-    scales = (torch.rand(hidden, inputs // 128, device="cuda", generator=gen) * 0.02 + 0.005).to(torch.float16)
-    return (lambda *a: int4_merge_o_add_norm(a[0], q, zeros, scales, 128, None, *a[1:]),
-            dequantize_int4(q, zeros.float(), scales.float(), 128).to(dtype))
 
 
 @pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
@@ -54,7 +36,7 @@ def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
     table = torch.randperm(NUM_BLOCKS)[: -(-seq_len // BLOCK_SIZE)].tolist()
     meta = AttentionMetadata.from_host([0], [1], [seq_len], [table], kv_heads, torch.device("cuda"))
     q = torch.randn(1, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-    merge, weight = _o_proj(fmt, hidden, heads * head_dim, dtype, gen)
+    merge, weight = o_proj(fmt, gen, hidden, heads * head_dim, dtype, group_size=128)
     residual = torch.randn(1, hidden, device="cuda", dtype=dtype, generator=gen)
     norm_weight = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=dtype, generator=gen)
     with nan_poisoned_allocations():

@@ -17,9 +17,11 @@ from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_attention import dense_attention
 
 
-def _o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: torch.dtype):
-    """(merge(splits, residual, norm_weight, eps), the dequantized weight in dtype) for a random weight."""
-    weight = torch.randn(hidden, inputs, generator=gen) * inputs**-0.5
+def o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: torch.dtype, group_size: int = 16):
+    """(merge(splits, residual, norm_weight, eps), the dequantized weight in dtype) for a random weight
+    on gen's device (INT4: group_size inputs a group; 16 is two groups a 32-dim head)."""
+    device = gen.device
+    weight = torch.randn(hidden, inputs, generator=gen, device=device) * inputs**-0.5
     if fmt == "float":
         weight = weight.to(dtype)
         return lambda *a: merge_o_add_norm(a[0], weight, None, *a[1:]), weight
@@ -27,10 +29,10 @@ def _o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: tor
         w8, scale = quantize_fp8(weight)
         return (lambda *a: fp8_merge_o_add_norm(a[0], w8, scale, None, *a[1:]),
                 (w8.float() * scale[:, None]).to(dtype))
-    group_size = 16  # two groups a 32-dim head
-    q = pack_int4(torch.randint(0, 16, (hidden, inputs), generator=gen))
-    zeros = torch.randint(0, 16, (hidden, inputs // group_size), generator=gen).to(torch.float16)
-    scales = (torch.rand(hidden, inputs // group_size, generator=gen) * 0.02 + 0.005).to(torch.float16)
+    groups = inputs // group_size
+    q = pack_int4(torch.randint(0, 16, (hidden, inputs), generator=gen, device=device))
+    zeros = torch.randint(0, 16, (hidden, groups), generator=gen, device=device).to(torch.float16)
+    scales = (torch.rand(hidden, groups, generator=gen, device=device) * 0.02 + 0.005).to(torch.float16)
     return (lambda *a: int4_merge_o_add_norm(a[0], q, zeros, scales, group_size, None, *a[1:]),
             dequantize_int4(q, zeros.float(), scales.float(), group_size).to(dtype))  # exact, as the kernel
 
@@ -52,7 +54,7 @@ def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, fmt
     table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)].tolist()
     block_table = torch.tensor([table + [10**6] * 2], dtype=torch.int32)  # entries past the end are never read
     q = torch.randn(1, heads, dim, generator=gen).to(dtype)
-    merge, weight = _o_proj(fmt, gen, hidden, heads * dim, dtype)
+    merge, weight = o_proj(fmt, gen, hidden, heads * dim, dtype)
     residual = torch.randn(1, hidden, generator=gen).to(dtype)
     norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
     lens, first_new = torch.tensor([seq_len], dtype=torch.int32), torch.tensor([fresh], dtype=torch.int32)
