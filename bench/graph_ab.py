@@ -9,7 +9,8 @@ one engine, one lease, no second tree. Throwaway A/B runs, never a record (the J
     python3 bench/graph_ab.py --quantization int4 --batches 8 \\
         --variant kernels.split_k.FUSED_ROWS=1 --variant kernels.split_k.FUSED_ROWS=16 --out $OUT/ab.json
 
-A variant is `module.NAME=value[,module.NAME=value...]`, each value a Python literal. Steps are
+A variant is `module.NAME=value[,module.NAME=value...]`, each value a Python literal, set over the
+defaults (what another variant sets, this one leaves at its default). Steps are
 greedy decodes of 128-token prompts. On CPU (--device cpu, the smoke test) there are no graphs:
 only engine steps are timed.
 """
@@ -157,6 +158,10 @@ def main() -> int:
     variants = [(text, parse_variant(text)) for text in args.variant]
     saved = {(module, attribute): getattr(module, attribute) for _, settings in variants
              for module, attribute, _ in settings}
+    # Each variant over the defaults: what another variant sets and it does not goes back to its default.
+    variants = [(name, [(module, attribute, value) for (module, attribute), value in saved.items()
+                        if not any(m is module and a == attribute for m, a, _ in settings)] + settings)
+                for name, settings in variants]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.models.split(","):

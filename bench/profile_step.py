@@ -8,6 +8,7 @@ whose host work outlasts its kernels is launch-bound). Not a benchmark of record
     python3 bench/profile_step.py --batches --prefill 128 2048 --host-profile
     python3 bench/profile_step.py --batches 1 8 64 --drafts 4   # a verify step (k drafts each) against a decode
     python3 bench/profile_step.py --model random:smollm2-135m --dtype float32 --batches 1 --drafts 4
+    python3 bench/profile_step.py --batches 1 8 --timeline   # where the device idles between engine steps
     MINILLM_PDL=0 python3 bench/profile_step.py ...   # kernels one after another: with PDL each starts early and its time includes the wait
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
 import random
 import sys
@@ -47,6 +50,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     parser.add_argument("--rows", type=int, default=8, help="kernels listed per table, by total time")
     parser.add_argument("--host-profile", action="store_true", help="also print the host's hottest functions (cProfile)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also trace engine steps: the device's idle gaps between them and what runs outside the graph")
     parser.add_argument("--quantization", choices=["fp8", "int4"], help="fp8 as it loads, or int4 (an RTN checkpoint of a random: shape)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     args = parser.parse_args()
@@ -98,6 +103,8 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
             host_report = text.getvalue()
+        if args.timeline:
+            print(timeline(engine, args.steps))
         if args.drafts:  # a verify step's graph also depends on its rows: the whole step is timed
             runs.clear()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -141,6 +148,60 @@ def main() -> None:
             engine.abort(request_id)
     for length in args.prefill:
         profile_prefill(engine, length, args.host_profile, args.rows)
+
+
+def timeline(engine: LLMEngine, steps: int) -> str:
+    """Trace `steps` engine steps (host and device) and say where the device idled: its busy share of
+    the window, its gaps a step (how many, how long, the operation each gap came before), the device
+    work outside the graph replays (copies, sampler kernels), and how long the host waited on it."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(path)
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    os.unlink(path)
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    if not device:
+        return "timeline: no device events traced"
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    waits = sum(e["dur"] for e in runtime if "Synchronize" in e["name"])
+    launcher = {e["args"].get("correlation"): e["name"] for e in runtime if "args" in e}
+
+    def launched_by(e: dict) -> str:
+        return launcher.get(e.get("args", {}).get("correlation"), "?")
+
+    busy = gap_total = 0.0
+    gaps: dict[str, list[float]] = {}
+    end = device[0]["ts"]
+    for e in device:
+        if e["ts"] > end:
+            gap = e["ts"] - end
+            gap_total += gap
+            if gap > 1.0:  # under a microsecond is the launch of one kernel after another
+                gaps.setdefault(f'{launched_by(e)}: {e["name"][:40]}', []).append(gap)
+        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+        end = max(end, e["ts"] + e["dur"])
+    window = end - device[0]["ts"]
+    outside: dict[str, tuple[int, float]] = {}
+    for e in device:  # what a graph replay did not launch: copies, memsets, eager kernels
+        by = launched_by(e)
+        if by != "cudaGraphLaunch":
+            key = f'{by}: {e["name"][:40]}'
+            count, total = outside.get(key, (0, 0.0))
+            outside[key] = (count + 1, total + e["dur"])
+    lines = [f"timeline over {steps} steps: {window / steps:.1f} us a step, device busy {busy / window:.1%}, "
+             f"idle {gap_total / steps:.1f} us a step; the host waited on the device {waits / steps:.1f} us a step",
+             "  gaps over 1 us, by the operation after them: count a step, us a step"]
+    for name, values in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        lines.append(f"    {len(values) / steps:5.1f} {sum(values) / steps:7.1f}  {name}")
+    lines.append("  device work outside the graphs' kernels: count a step, us a step")
+    for key, (count, total) in sorted(outside.items(), key=lambda kv: -kv[1][1])[:8]:
+        lines.append(f"    {count / steps:5.1f} {total / steps:7.1f}  {key}")
+    return "\n".join(lines)
 
 
 class FixedDrafts(Proposer):
