@@ -59,11 +59,6 @@ def cache_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return slots
 
 
-def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """Replace placeholders by the previous step's sampled ids (a device op: no host sync)."""
-    return torch.where(token_ids >= 0, token_ids, prev[(-1 - token_ids).clamp(min=0)])
-
-
 def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A CUDA graph of forward() and its output, warmed up first outside the capture (Triton
     compiles, cuBLAS picks its algorithms)."""
@@ -96,9 +91,7 @@ class _DecodeGraph:
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
-        # inputs[3:] as int32, inside the graph
-        self.seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
-        self.fresh = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.seq_lens, self.fresh = self.inputs[3], self.inputs[4]  # int64: decode attention reads either width
         self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
         self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
                                                        runner.model.num_kv_heads, self.fresh)
@@ -106,10 +99,7 @@ class _DecodeGraph:
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
 
         def forward() -> torch.Tensor:
-            self.seq_lens.copy_(self.inputs[3])
-            self.fresh.copy_(self.inputs[4])
-            ids = resolve_placeholders(self.input_ids, self.prev_tokens)
-            logits = model.compute_logits(model(ids, self.positions, kv, self.meta))
+            logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
             self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6])
             return logits
@@ -158,8 +148,7 @@ class _PrefillGraph:
         self.prev_tokens = runner.prev_tokens
 
         def forward() -> torch.Tensor:
-            ids = resolve_placeholders(self.input_ids, self.prev_tokens)
-            hidden = model(ids, self.positions, kv, meta)
+            hidden = model(self.input_ids, self.positions, kv, meta, self.prev_tokens)
             return model.compute_logits(hidden[self.logit_rows])
 
         self.graph, self.logits = capture(forward, pool)
@@ -367,10 +356,8 @@ class ModelRunner:
             return logits
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
                                            self.model.num_kv_heads, self.device, step.fresh)
-        ids = self._tensor(step.input_ids, torch.int64)
-        if prev is not None:
-            ids = resolve_placeholders(ids, prev)
-        hidden = self.model(ids, self._tensor(step.positions, torch.int64), self.kv_cache, meta)
+        hidden = self.model(self._tensor(step.input_ids, torch.int64), self._tensor(step.positions, torch.int64),
+                            self.kv_cache, meta, prev)
         rows = step.logit_rows + step.prompt_rows
         if not rows:
             return None

@@ -31,13 +31,14 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
     query_start_loc: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32 (a decode graph's: int64)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     num_splits: int = 1  # decode attention's splits of each sequence's blocks (fixed per graph)
-    # [B] int32: each sequence's first key written in this step, which decode attention reads only
-    # after waiting for the kernel that writes it (None: its last; a verify step's rows share theirs)
+    # [B] int32 (a decode graph's: int64): each sequence's first key written in this step, which
+    # decode attention reads only after waiting for the kernel that writes it (None: its last; a
+    # verify step's rows share theirs)
     fresh: torch.Tensor | None = None
 
     @property
@@ -82,7 +83,7 @@ class AttentionMetadata:
     def for_decode_graph(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                          num_kv_heads: int, fresh: torch.Tensor) -> AttentionMetadata:
         """One query per sequence over a CUDA graph's static buffers, which every replay reads (the
-        caller refills them): slot_mapping [B] int64, seq_lens and fresh [B] int32, block_tables [B,
+        caller refills them): slot_mapping [B] int64, seq_lens and fresh [B] int64, block_tables [B,
         max_blocks] int32. The host lengths are placeholders: decode attention reads only the device ones."""
         batch, device = seq_lens.shape[0], seq_lens.device
         return cls(

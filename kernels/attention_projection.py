@@ -88,7 +88,7 @@ def _merge_o_kernel(
         g_offs = rows.to(tl.int64)[:, None, None] * stride_g + cols * 8 // group_size
         zero = tl.load(zeros_ptr + g_offs, mask=block_ok, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + g_offs, mask=block_ok, other=0.0).to(tl.float32)
-    seq_len = tl.load(lens_ptr)
+    seq_len = tl.load(lens_ptr).to(tl.int32)  # int32 or int64 (a decode graph's)
     bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, True)
     wait_for_previous_kernel(PDL)
     used = tl.minimum(tl.cdiv(seq_len, SPLIT_TOKENS), NUM_SPLITS)  # splits past the context hold nothing

@@ -38,8 +38,8 @@ def _decode_split_kernel(
     # the lengths, block tables and older cache entries, which earlier steps and the host copies
     # wrote. The first tile's older keys and values are on their way while that kernel finishes; the
     # step's own rows (from `fresh` on: the newest token, or a verify step's drafts) after the wait.
-    seq_len = tl.load(lens_ptr + seq)
-    fresh = tl.load(fresh_ptr + seq)
+    seq_len = tl.load(lens_ptr + seq).to(tl.int32)  # int32 or int64 (a decode graph's) lengths
+    fresh = tl.load(fresh_ptr + seq).to(tl.int32)
     table_ptr = tables_ptr + seq * stride_tab
     offs = tl.arange(0, TILE)
     tok = split * TILE + offs

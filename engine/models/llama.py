@@ -21,6 +21,7 @@ from engine.models.linear import Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.decode_attention import AttentionSplits
+from kernels.embedding import embed_rms_norm, resolve_placeholders
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
 
@@ -129,12 +130,19 @@ class DecoderModel(nn.Module):
         self.cos_sin = rope_cos_sin(self.inv_freq.float().cpu(), max_positions).to(self.inv_freq.device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        prev_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]. With prev_tokens
+        (the step in flight's sampled ids), input_ids may name them by placeholder (-1 - row)."""
         assert self.cos_sin is not None, "call init_rope() first"
         eps = self.cfg.rms_norm_eps
-        hidden, residual = rms_norm(self.embed(input_ids), self.layers[0].input_layernorm, eps)
+        if self.tp.size == 1:  # one kernel: placeholders, embedding and the first norm
+            hidden, residual = embed_rms_norm(input_ids, prev_tokens, self.embed_tokens.weight,
+                                              self.layers[0].input_layernorm, eps)
+        else:
+            ids = input_ids if prev_tokens is None else resolve_placeholders(input_ids, prev_tokens)
+            hidden, residual = rms_norm(self.embed(ids), self.layers[0].input_layernorm, eps)
         norm_in = None
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None

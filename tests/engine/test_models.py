@@ -64,9 +64,9 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
 def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
                                                                     shape: str) -> None:
     """Up to FLOAT_FUSED_ROWS tokens (one for float32; FEW_ROWS when the few-row kernel takes them)
-    through a float model on the Triton kernels run 2 norm kernels, not 2L + 1, and no RoPE kernel: the
-    projections' epilogues and scaled outputs do the rest; one decode row's o_proj merges attention's
-    splits too (no merge kernel). The logits are the unfolded path's and transformers'; more rows
+    through a float model on the Triton kernels run 1 norm kernel, not 2L, and no RoPE kernel (the
+    first norm is always the embedding kernel's): the projections' epilogues and scaled outputs do
+    the rest; one decode row's o_proj merges attention's splits too (no merge kernel). The logits are the unfolded path's and transformers'; more rows
     take cuBLAS and the kernels apart."""
     import kernels.decode_attention as decode_attention
     import kernels.rmsnorm as rmsnorm
@@ -98,13 +98,13 @@ def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_d
         return logits, dict(calls)
 
     folded, counts = run([7])
-    assert counts == {"norm": 2, "rope": 0, "merge": 0}
+    assert counts == {"norm": 1, "rope": 0, "merge": 0}  # the last: the first is the embedding kernel's
     with unfolded_norms():
         apart, counts = run([7])
-    assert counts == {"norm": 2 * layers + 1, "rope": 0, "merge": layers}
+    assert counts == {"norm": 2 * layers, "rope": 0, "merge": layers}
     torch.testing.assert_close(folded, apart, atol=1e-5, rtol=1e-5)
     # past FLOAT_FUSED_ROWS: cuBLAS
-    assert run([5, 7, 9])[1] == {"norm": 2 * layers + 1, "rope": layers, "merge": 0}
+    assert run([5, 7, 9])[1] == {"norm": 2 * layers, "rope": layers, "merge": 0}
     monkeypatch.setitem(float_linear.FLOAT_FUSED_ROWS, torch.float32, FEW_ROWS)
-    assert run([5, 7, 9])[1] == {"norm": 2, "rope": 0, "merge": 0}  # the few-row kernel
-    assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers + 1, "rope": layers, "merge": 0}
+    assert run([5, 7, 9])[1] == {"norm": 1, "rope": 0, "merge": 0}  # the few-row kernel
+    assert run(list(range(3, 4 + FEW_ROWS)))[1] == {"norm": 2 * layers, "rope": layers, "merge": 0}

@@ -61,6 +61,7 @@ def main(shard: int = 0, shards: int = 1) -> int:
     from engine.loader import RANDOM_PREFIX, load_model
     from engine.packed_prefill import prompt_logits
     from kernels.decode_attention import decode_attention_triton
+    from kernels.embedding import embed_rms_norm
 
     # The few-row kernels too, which the layers leave to cuBLAS for FP8, INT4 and float32.
     split_k.FUSED_ROWS = split_k.FEW_ROWS
@@ -85,12 +86,15 @@ def main(shard: int = 0, shards: int = 1) -> int:
                 split_k.LARGE_TILING_MIN_WEIGHTS = 0 if large else 8 << 20
                 for prompt in ([7], [5, 7, 9], list(range(3, 40))):  # one row, a few rows, more (prefill)
                     prompt_logits(model, prompt)
-    if shard == 0:  # decode attention in one pass (a batch that fills the GPU alone) and in splits, bf16
+    if shard == 0:  # decode attention in one pass (a batch that fills the GPU alone) and in splits, bf16,
+        # over lengths in int32 (eager steps) and int64 (decode graphs); the embedding with placeholders
         q = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
         cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
-        for splits in (1, 4):
+        for splits, lengths in [(1, torch.int32), (4, torch.int32), (1, torch.int64), (4, torch.int64)]:
             decode_attention_triton(q, cache, cache, torch.zeros(2, 4, dtype=torch.int32),
-                                    torch.tensor([5, 40], dtype=torch.int32), 0.125, splits)
+                                    torch.tensor([5, 40], dtype=lengths), 0.125, splits)
+        embed_rms_norm(torch.tensor([-1, 3]), torch.tensor([2]), torch.zeros(8, 64, dtype=torch.bfloat16),
+                       torch.ones(64, dtype=torch.bfloat16), 1e-5)
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
     return 0
 
