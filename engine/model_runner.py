@@ -71,6 +71,29 @@ def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[torch.cu
     return graph, out
 
 
+# The most block-table entries (rows before the last whole, at max_blocks each) a decode graph's one
+# input copy carries; past them (several rows of a long max_model_len) the tables get a copy of
+# their own, of the used corner only.
+ONE_COPY_TABLE_ENTRIES = 16384
+
+
+def inputs_with_tables(inputs: np.ndarray, tables: list[list[int]], max_blocks: int, scratch_block: int
+                       ) -> np.ndarray | None:
+    """A decode graph's buffer up to the last table entry the step uses, as int32: its inputs (int64
+    [8, batch]), then the tables' rows at max_blocks each (the entries past a row's blocks the scratch
+    block); None past ONE_COPY_TABLE_ENTRIES."""
+    span = (len(tables) - 1) * max_blocks + max(map(len, tables))
+    if span > ONE_COPY_TABLE_ENTRIES:
+        return None
+    head = inputs.reshape(-1).view(np.int32)
+    host = np.full(len(head) + span, scratch_block, dtype=np.int32)
+    host[: len(head)] = head
+    for row, table in enumerate(tables):
+        start = len(head) + row * max_blocks
+        host[start: start + len(table)] = table
+    return host
+
+
 def copy_tables(dst: torch.Tensor, tables: list[list[int]], scratch_block: int) -> None:
     """A step's block tables into a graph's static table. Only the blocks each sequence has are read,
     so only that corner is refreshed (rows padded with the scratch block): one pinned copy."""
@@ -86,13 +109,19 @@ class _DecodeGraph:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
         # Input ids (placeholders included), positions, slots, lengths, each row's first key written
-        # this step, and its draw (seed, counter, temperature as float32 bits): one buffer, one copy a step.
-        self.inputs = torch.zeros(8, batch, dtype=torch.int64, device=dev)
+        # this step, and its draw (seed, counter, temperature as float32 bits) as int64 [8, batch], then
+        # the block tables as int32 [batch, max_blocks]: one buffer, one copy a step where the tables'
+        # used part is near its start (run).
+        self.max_blocks = max_blocks
+        self.buffer = torch.full((16 * batch + batch * max_blocks,), runner.scratch_block, dtype=torch.int32,
+                                 device=dev)
+        self.inputs = self.buffer[: 16 * batch].view(torch.int64).view(8, batch)
+        self.inputs.zero_()
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
         self.seq_lens, self.fresh = self.inputs[3], self.inputs[4]  # int64: decode attention reads either width
-        self.tables = torch.full((batch, max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
+        self.tables = self.buffer[16 * batch:].view(batch, max_blocks)
         self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
                                                        runner.model.num_kv_heads, self.fresh)
         model, kv, vocab = runner.model, runner.kv_cache, runner.sampler.vocab_size
@@ -101,7 +130,9 @@ class _DecodeGraph:
         def forward() -> torch.Tensor:
             logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
-            self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6])
+            # Drawn into prev_tokens, where the next step's placeholders look, after this step read them.
+            self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6],
+                                              out=self.prev_tokens[:batch])
             return logits
 
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
@@ -113,15 +144,19 @@ class _DecodeGraph:
         replay, return the first n rows' logits (their drawn ids in self.drawn[:n])."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
-        # stale table row points to); their logits are dropped. One pinned host tensor, one copy.
+        # stale table row points to); their logits are dropped.
         fresh = step.positions if step.fresh is None else step.fresh  # a decode's first new key: its own
         temperatures, seeds, counters = draws or ([0.0] * n, [0] * n, [0] * n)
         bits = np.asarray(temperatures, dtype=np.float32).view(np.int32).tolist()
-        host = pinned([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
-                       step.seq_lens + [1] * pad, fresh + [0] * pad, seeds + [0] * pad, counters + [0] * pad,
-                       bits + [0] * pad], torch.int64)
-        self.inputs.copy_(host, non_blocking=True)
-        copy_tables(self.tables, step.block_tables, scratch_block)
+        inputs = np.array([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
+                           step.seq_lens + [1] * pad, fresh + [0] * pad, seeds + [0] * pad, counters + [0] * pad,
+                           bits + [0] * pad], dtype=np.int64)
+        host = inputs_with_tables(inputs, step.block_tables, self.max_blocks, scratch_block)
+        if host is not None:  # one copy
+            self.buffer[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        else:
+            self.inputs.copy_(torch.from_numpy(inputs).pin_memory(), non_blocking=True)
+            copy_tables(self.tables, step.block_tables, scratch_block)
         self.graph.replay()
         return self.logits[:n]
 
@@ -345,7 +380,8 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         graph = self.graphs[step.graph_batch] if step.graph_batch is not None else self._prefill_graph_for(step, prev)
         if graph is not None:
-            if prev is not None:  # every graph reads its placeholders' ids from prev_tokens
+            # Every graph reads its placeholders' ids from prev_tokens, where decode graphs draw theirs.
+            if prev is not None and prev.data_ptr() != self.prev_tokens.data_ptr():
                 self.prev_tokens[: len(prev)].copy_(prev)
             if not isinstance(graph, _DecodeGraph):
                 return graph.run(step, self.scratch_slot, self.scratch_block)

@@ -155,12 +155,12 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, seeds_ptr, counters
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: each row's arrived chunks, zero between calls
 
 
-def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
-                         ) -> torch.Tensor:
+def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): temperatures
     [B] float32 (or int64 holding float32 bits), seeds [B] int64 (int64_seeds) and counters [B]
-    int64. The per-row arrival counters are made on a first call, which precedes any capture
-    (graphs are warmed up first)."""
+    int64; the ids into `out` (int64 [B]) if given. The per-row arrival counters are made on a
+    first call, which precedes any capture (graphs are warmed up first)."""
     rows, vocab = scores.shape
     device = scores.device
     # About eight programs per SM over the batch (each loads a 4 KB block at a time), each at least
@@ -173,7 +173,8 @@ def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds
         counts = _COUNTS[device] = torch.zeros(max(rows, 1 << 16), dtype=torch.int32, device=device)
     part_val = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int64, device=device)
-    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=device)
     _gumbel_argmax_kernel[(rows, chunks)](
         scores, scores.stride(0), temperatures, seeds, counters, part_val, part_idx, counts, out, vocab, CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=max(triton.next_power_of_2(chunks), 2), BLOCK=1024,
         LIBDEVICE=scores.is_cuda, num_warps=4)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+import torch
 
+import engine.model_runner as model_runner
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import cache_slots
+from engine.model_runner import cache_slots, inputs_with_tables
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Request, Sequence
@@ -51,3 +54,21 @@ def test_a_step_with_a_prefill_chunk_keeps_a_row_a_sequence(runner) -> None:
     step = runner.prepare(SchedulerOutput([verify, chunk]), None)
     assert step.query_lens == [3, 3] and step.seq_lens == [7, 5] and step.fresh is None
     assert step.logit_rows == [0, 1, 2] and step.graph_batch is None
+
+
+def test_a_decode_graphs_tables_ride_in_its_input_copy_while_they_are_short(monkeypatch) -> None:
+    """The host buffer, laid over a decode graph's device buffer (int64 inputs [8, batch], then int32
+    tables [batch, max_blocks]), holds the inputs and each row's blocks; entries a row does not use
+    are the scratch block, and rows past the step's stay as they were."""
+    batch, max_blocks, scratch = 4, 6, 99
+    inputs = np.arange(8 * batch, dtype=np.int64).reshape(8, batch) - 5  # negative ids: placeholders
+    tables = [[3, 4], [7], [1, 2, 5]]
+    host = inputs_with_tables(inputs, tables, max_blocks, scratch)
+    device = torch.full((16 * batch + batch * max_blocks,), -1, dtype=torch.int32)  # stale entries
+    device[: len(host)] = torch.from_numpy(host)
+    assert torch.equal(device[: 16 * batch].view(torch.int64).view(8, batch), torch.from_numpy(inputs))
+    rows = device[16 * batch:].view(batch, max_blocks)
+    assert rows[:, :3].tolist() == [[3, 4, scratch], [7, scratch, scratch], [1, 2, 5], [-1, -1, -1]]
+    assert rows[:2, 3:].eq(scratch).all() and rows[2:, 3:].eq(-1).all()  # only up to the last row's blocks
+    monkeypatch.setattr(model_runner, "ONE_COPY_TABLE_ENTRIES", 2 * max_blocks + 2)  # the third row's 3 blocks: 15
+    assert inputs_with_tables(inputs, tables, max_blocks, scratch) is None
