@@ -150,7 +150,7 @@ def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
 def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_dir, tmp_path, shape: str,
                                                                     fmt: str) -> None:
     """One token through a bf16, int4 or FP8 model on the GPU (bfloat16): the norms folded into the one-row
-    kernels (2 norm kernels instead of 2L + 1) give the unfolded model's logits, within bf16 (a
+    kernels (1 norm kernel instead of 2L) give the unfolded model's logits, within bf16 (a
     missing factor or residual would be off by O(1))."""
     from engine.loader import load_model
     from engine.packed_prefill import prompt_logits
