@@ -546,12 +546,15 @@ class LLMEngine:
         return RequestTimes(queue=scheduled - request.arrival_time, prefill=first_token - scheduled,
                             decode=now - first_token, total=now - request.arrival_time)
 
-    def _usage(self, request: Request) -> Usage:
-        return Usage(
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=sum(s.num_real_tokens - request.num_prompt_tokens for s in request.sequences),
-            cached_tokens=request.sequences[0].num_cached_prompt_tokens if request.sequences else 0,
-        )
+    @staticmethod
+    def _usage(request: Request) -> Usage:
+        # Once per request and step: a plain loop, no generator (bench/host_step.py).
+        prompt = request.num_prompt_tokens
+        completion = 0
+        for s in request.sequences:
+            completion += s.num_real_tokens - prompt
+        cached = request.sequences[0].num_cached_prompt_tokens if request.sequences else 0
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

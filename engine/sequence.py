@@ -99,4 +99,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_pending_forks == 0 and all(s.is_finished for s in self.sequences)
+        if len(self.sequences) < self.params.n:  # samples still to fork
+            return False
+        for s in self.sequences:  # once per request and step: a plain loop, no generator
+            if s.status != SequenceStatus.FINISHED:
+                return False
+        return True
