@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import launch_options, programmatic_launch, use_triton, wait_for_previous_kernel
-from kernels.rmsnorm import rms_norm_ref
+from kernels.rmsnorm import normalized_row, rms_norm_ref
 
 
 def resolve_placeholders(token_ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -43,10 +43,7 @@ def _embed_rms_norm_kernel(ids_ptr, prev_ptr, table_ptr, stride_table, weight_pt
     x = tl.load(table_ptr + tid.to(tl.int64) * stride_table + cols, mask=mask, other=0.0)
     start = token.to(tl.int64) * hidden
     tl.store(rows_ptr + start + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    # Round h to the table's dtype before the weight multiply, as the reference does.
-    tl.store(out_ptr + start + cols, weight * h.to(x.dtype), mask=mask)
+    tl.store(out_ptr + start + cols, normalized_row(x, weight, hidden, eps), mask=mask)
 
 
 def embed_rms_norm(token_ids: torch.Tensor, prev: torch.Tensor | None, table: torch.Tensor,

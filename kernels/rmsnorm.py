@@ -55,6 +55,15 @@ def add_norm_ref(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
+def normalized_row(x, weight, hidden, eps):
+    """RMSNorm of one row x [BLOCK] held in registers (masked entries zero), as rms_norm_ref: the sum
+    of squares in float32, and h rounded to x's dtype before the weight multiply."""
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    return weight * h.to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -69,10 +78,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + start + cols, mask=mask, other=0.0)
         tl.store(new_residual_ptr + start + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    # Round h to the input dtype before the weight multiply, as the reference does.
-    tl.store(out_ptr + start + cols, weight * h.to(x.dtype), mask=mask)
+    tl.store(out_ptr + start + cols, normalized_row(x, weight, hidden, eps), mask=mask)
 
 
 def rms_norm_triton(
