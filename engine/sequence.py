@@ -99,7 +99,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if len(self.sequences) < self.params.n:  # samples still to fork
+        if self.num_pending_forks:
             return False
         for s in self.sequences:  # once per request and step: a plain loop, no generator
             if s.status != SequenceStatus.FINISHED:
