@@ -7,13 +7,16 @@ shorter (docs/performance.md: at batch 64 on a slow host it is not). Not a bench
     python3 bench/host_step.py --batches 64 --profile 16   # the hottest functions (cProfile)
 
 A random tiny model without a tokenizer (no detokenizing, as bench/gpu.py's random shapes), greedy,
-128-token prompts; every step's "sampled" id is the same token. What the GPU path adds on the host
-(the decode graph's input packing, CUDA calls) is not in it.
+128-token prompts that repeat a 16-token cycle, which the "sampled" ids carry on. What the GPU path
+adds on the host (the decode graph's input packing, CUDA calls) is not in it.
+
+    python3 bench/host_step.py --batches 1 8 --speculative ngram   # every step verifies 4 drafts
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import sys
@@ -30,57 +33,84 @@ from engine.model_runner import StepInputs  # noqa: E402
 from engine.sampler import SampleRow, SamplerOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
+CYCLE = 16  # tokens a prompt repeats
+LAUNCHES: list[float] = []  # perf_counter() at each stubbed forward
 
-def stubbed_engine(batch: int, vocab: int = 512) -> LLMEngine:
-    """A CPU engine of `batch` running decodes whose forward returns zeros and whose sampler returns
-    token 7 for every row."""
+
+def stubbed_engine(batch: int, vocab: int = 512, method: str | None = None, tokenizer: str | None = None
+                   ) -> LLMEngine:
+    """A CPU engine of `batch` running decodes whose forward returns zeros and whose sampler carries
+    on each prompt's 16-token cycle. With a speculative `method` every sequence drafts, and every
+    draft is confirmed: each step waits for the one before and verifies. With a `tokenizer` the
+    outputs are detokenized. The time of each forward's launch is kept in LAUNCHES."""
     engine = LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", kv_cache_memory="256MiB",
-                                    max_num_seqs=batch))
+                                    max_num_seqs=batch, speculative_method=method, speculative_max_batch=batch,
+                                    speculative_gate=False, tokenizer=tokenizer))
 
     def forward(step: StepInputs, prev: torch.Tensor | None, rows: list[SampleRow] | None = None
                 ) -> torch.Tensor | None:
+        LAUNCHES.append(time.perf_counter())
         n = len(step.logit_rows) + len(step.prompt_rows)
         return torch.zeros(n, vocab) if n else None
 
     engine.runner.forward = forward
     engine.runner.sample = lambda logits, rows, mask=None: SamplerOutput(
-        torch.full((len(rows),), 7, dtype=torch.int64))
+        torch.tensor([row.prompt_token_ids[row.counter % CYCLE] for row in rows], dtype=torch.int64))
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([(7 * i + j) % 500 + 1 for j in range(128)], params)
+        engine.add_request([(7 * i + j % CYCLE) % 250 + 260 for j in range(8 * CYCLE)], params)  # merged pieces: no special or byte tokens
     while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
         engine.step()  # prefill
+    gc.collect()  # an engine made before this one is not collected while this one is timed
     return engine
 
 
-def host_step_us(engine: LLMEngine, steps: int) -> float:
+def host_step_us(engine: LLMEngine, steps: int) -> tuple[float, float]:
+    """µs a step, and the median µs from a step's start to its forward's launch: all of it on the
+    critical path where the step waits for the one before (drafts), none while it overlaps."""
+    batch = len(engine.requests)
+    starts = []
+    LAUNCHES.clear()
     start = time.perf_counter()
     for _ in range(steps):
+        starts.append(time.perf_counter())
         engine.step()
-    return (time.perf_counter() - start) / steps * 1e6
+    seconds = time.perf_counter() - start
+    if len(engine.requests) < batch or len(LAUNCHES) != steps:  # a shorter batch would time less work
+        raise SystemExit(f"A sequence reached the context's end: time fewer than {steps} steps.")
+    return seconds / steps * 1e6, statistics.median(b - a for a, b in zip(starts, LAUNCHES)) * 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--steps", type=int, default=200, help="timed steps a repetition")
+    parser.add_argument("--steps", type=int, default=150, help="timed steps a repetition (a fresh engine each)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions, the median printed")
     parser.add_argument("--profile", type=int, default=0, help="also list this many hottest functions")
+    parser.add_argument("--speculative", choices=("ngram", "suffix"), help="every step verifies drafts of this method")
+    parser.add_argument("--tokenizer", help="detokenize the outputs with this tokenizer (default: the embedded model's)")
     args = parser.parse_args()
-    print("| batch | host µs a step (median) | min | max |\n|---:|---:|---:|---:|")
+    print("| batch | host µs a step (median) | min | max | µs to the launch (median) |\n|---:|---:|---:|---:|---:|")
     reports = []
     for batch in args.batches:
-        engine = stubbed_engine(batch)
-        host_step_us(engine, 20)  # warm
-        runs = [host_step_us(engine, args.steps) for _ in range(args.reps)]
-        print(f"| {batch} | {statistics.median(runs):.1f} | {min(runs):.1f} | {max(runs):.1f} |")
-        if args.profile:
-            profiler = cProfile.Profile()
-            profiler.enable()
-            host_step_us(engine, args.steps)
-            profiler.disable()
-            reports.append((batch, pstats.Stats(profiler)))
-        engine.close()
+        runs, to_launch = [], []
+        for rep in range(args.reps + bool(args.profile)):
+            # A fresh engine each: drafting sequences run out of context.
+            engine = stubbed_engine(batch, method=args.speculative, tokenizer=args.tokenizer)
+            host_step_us(engine, 20)  # warm
+            if rep < args.reps:
+                us, launch_us = host_step_us(engine, args.steps)
+                runs.append(us)
+                to_launch.append(launch_us)
+            else:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                host_step_us(engine, args.steps)
+                profiler.disable()
+                reports.append((batch, pstats.Stats(profiler)))
+            engine.close()
+        print(f"| {batch} | {statistics.median(runs):.1f} | {min(runs):.1f} | {max(runs):.1f} "
+              f"| {statistics.median(to_launch):.1f} |")
     for batch, stats in reports:
         print(f"\nbatch {batch}, {args.steps} steps under cProfile:")
         stats.sort_stats("tottime").print_stats(args.profile)

@@ -50,6 +50,13 @@ class _InFlight:
     decode_only: bool = False  # every sequence decodes (some with drafts): a step the speed gate times
 
 
+# A sample's tokens read from a step and put in place, whose text and outputs are still to make
+# (LLMEngine._emit): the sample, where the first of them is in its token_ids, their logprobs (one a
+# token), whether they are its request's first tokens, and whether a step with drafts made them.
+# A tuple: one is made per sample and step.
+_Taken = tuple[Sequence, int, list[TokenLogprobs | None], bool, bool]
+
+
 @dataclass
 class EngineStats:
     """Live numbers for metrics; counters only grow."""
@@ -293,10 +300,12 @@ class LLMEngine:
         if prev is not None:
             drafting = self.scheduler.drafting()
             early = drafting or any(s.drafts or s.seq.request.params.penalized for s in prev.sampling)
+        reads = None
         if early:
             # Penalties read the real history, and drafts follow it and move each sequence by as many
-            # tokens as the target accepts: let the step in flight land before the next is made.
-            outputs += self._collect(self._take_in_flight())
+            # tokens as the target accepts: let the step in flight land before the next is made. Its
+            # text and outputs wait until that one is launched.
+            reads = self._read(self._take_in_flight())
             read_at = self.clock()
             prev = None
         out = self.scheduler.schedule()
@@ -305,6 +314,8 @@ class LLMEngine:
         if prev is not None and prev.sampled is None:
             self._sample_deferred(prev)
         launched = self._launch(out, step, prev) if step is not None else None
+        if reads is not None:
+            outputs += self._emit(reads)
         if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
             outputs += self._collect(self._take_in_flight(), launched)
             read_at = self.clock()
@@ -432,12 +443,18 @@ class LLMEngine:
         return seq.grammar
 
     def _collect(self, in_flight: _InFlight, launched: _InFlight | None = None) -> list[RequestOutput]:
-        """Wait for a launched step's sampled ids (sampling it first if it waits to); put them in
-        place of their placeholders. If the step launched after it has grammar rows, their masks
-        are sent to the grammar worker first: it fills them while this thread does the rest."""
+        """Read a launched step's tokens (_read), then make its outputs (_emit)."""
+        return self._emit(self._read(in_flight, launched))
+
+    def _read(self, in_flight: _InFlight, launched: _InFlight | None = None) -> list[_Taken]:
+        """Wait for a launched step's sampled ids (sampling it first if it waits to) and put them in
+        place: in place of their placeholders, or after a sequence's confirmed drafts, with its KV
+        and its end by token id (end of sequence, stop ids, length). The text, which stop strings
+        need, is left to _emit: a step with drafts, which waits for this one, is launched before it.
+        If the step launched after it has grammar rows, their masks are sent to the grammar worker
+        first: it fills them while this thread does the rest."""
         if in_flight.sampled is None:
             self._sample_deferred(in_flight)
-        outputs: dict[str, RequestOutput] = {}
         if in_flight.prompt is not None:
             prompt, spans = in_flight.prompt
             taken = 0
@@ -449,6 +466,7 @@ class LLMEngine:
             self.grammar_worker.accept(token_ids)
         if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
             launched.masked = self._fill_masks(launched.sampling)
+        reads = []
         row = 0
         now = time.monotonic()
         for s, position in zip(in_flight.sampling, in_flight.positions):
@@ -460,16 +478,64 @@ class LLMEngine:
             if first:
                 request.first_token_time = now
             if s.drafts:
-                delta = self._accept(s, token_ids[row - 1 - len(s.drafts):row], logprobs[row - 1 - len(s.drafts):row])
+                reads.append(self._accept(s, token_ids[row - 1 - len(s.drafts):row],
+                                          logprobs[row - 1 - len(s.drafts):row], first))
             else:
-                seq.token_ids[position] = token_ids[row - 1]
+                seq.token_ids[position] = token_id = token_ids[row - 1]
                 seq.num_placeholders -= 1
-                delta = self._append(seq, position, token_ids[row - 1], logprobs[row - 1])
+                self._ends(seq, position, token_id)
+                reads.append((seq, position, [logprobs[row - 1]], first, False))
+        return reads
+
+    def _accept(self, s: ScheduledSequence, sampled: list[int], logprobs: list[TokenLogprobs | None], first: bool
+                ) -> _Taken:
+        """A sequence's drafts against the target's samples at their positions: the confirmed drafts
+        and the sample after them become its tokens; the KV of the rejected ones is dropped, and the
+        blocks only they used go back to the pool."""
+        seq = s.seq
+        confirmed = accepted(s.drafts, sampled)
+        self.draft_tokens_total += len(s.drafts)
+        self.accepted_draft_tokens_total += confirmed
+        seq.drafting.record(len(s.drafts), confirmed, self.scheduler.proposer.num_tokens)
+        old = seq.num_computed_tokens
+        start = len(seq.token_ids)
+        for token_id in sampled[: confirmed + 1]:
+            seq.token_ids.append(token_id)
+            if self._ends(seq, len(seq.token_ids) - 1, token_id):  # finish() already gave its blocks back
+                break
+        if not seq.is_finished:
+            seq.num_computed_tokens = old + 1 + confirmed  # its last token and the confirmed drafts
+            self.block_manager.cache_full_blocks(seq, old)
+            self.block_manager.trim(seq)
+        return seq, start, logprobs[: len(seq.token_ids) - start], first, True
+
+    def _ends(self, seq: Sequence, position: int, token_id: int) -> bool:
+        """Whether the token now at `position` ends the sample by its id or the sample's length
+        (the sample is finished then); stop strings are _emit's to find."""
+        request = seq.request
+        grammar = seq.grammar
+        if grammar is not None and token_id in self.eos_token_ids:  # even under ignore_eos
+            grammar.ended = True
+        if token_id in request.eos_token_ids or token_id in request.params.stop_token_ids or (
+                grammar is not None and grammar.ended):
+            self.scheduler.finish(seq, "stop")
+        elif position + 1 - request.num_prompt_tokens >= request.max_tokens or position + 1 >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+        else:
+            return False
+        return True
+
+    def _emit(self, reads: list[_Taken]) -> list[RequestOutput]:
+        """The outputs of tokens put in place by _read: each sample's text and its end, by request."""
+        outputs: dict[str, RequestOutput] = {}
+        for taken in reads:
+            request = taken[0].request
+            delta = self._text(taken)
             ro = outputs.get(request.request_id)
             if ro is None:
                 ro = outputs[request.request_id] = RequestOutput(request.request_id,
                                                                  prompt_token_ids=request.prompt_token_ids)
-            if first and request.params.prompt_logprobs is not None:
+            if taken[3] and request.params.prompt_logprobs is not None:
                 ro.prompt_logprobs = [None, *request.prompt_logprobs]
             ro.deltas.append(delta)
         for ro in outputs.values():
@@ -481,62 +547,54 @@ class LLMEngine:
                 del self.requests[ro.request_id]
         return list(outputs.values())
 
-    def _accept(self, s: ScheduledSequence, sampled: list[int], logprobs: list[TokenLogprobs | None]) -> SampleDelta:
-        """A sequence's drafts against the target's samples at their positions: the confirmed drafts
-        and the sample after them become its tokens (one delta); the KV of the rejected ones is
-        dropped, and the blocks only they used go back to the pool."""
-        seq = s.seq
-        confirmed = accepted(s.drafts, sampled)
-        self.draft_tokens_total += len(s.drafts)
-        self.accepted_draft_tokens_total += confirmed
-        seq.drafting.record(len(s.drafts), confirmed, self.scheduler.proposer.num_tokens)
-        old = seq.num_computed_tokens
-        deltas = []
-        for token_id, lp in zip(sampled[: confirmed + 1], logprobs):
-            seq.token_ids.append(token_id)
-            deltas.append(self._append(seq, len(seq.token_ids) - 1, token_id, lp))
-            if seq.is_finished:  # finish() already gave its blocks back
-                break
-        self.speculative_tokens_total += len(deltas)
-        if not seq.is_finished:
-            seq.num_computed_tokens = old + 1 + confirmed  # its last token and the confirmed drafts
-            self.block_manager.cache_full_blocks(seq, old)
-            self.block_manager.trim(seq)
-        return SampleDelta(
-            seq.index, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-            None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs],
-            deltas[-1].finish_reason, deltas[-1].stop_reason)
-
-    def _append(self, seq: Sequence, position: int, token_id: int, logprobs: TokenLogprobs | None) -> SampleDelta:
-        """A sampled token now in place at `position`: find out whether the sample is done, and say
-        what text became final."""
-        request, params = seq.request, seq.request.params
-        self.generation_tokens_total += 1
-        detokenizer, grammar = seq.detokenizer, seq.grammar
+    def _text(self, taken: _Taken) -> SampleDelta:
+        """A sample's new tokens as final text, and its end if _read found one."""
+        seq, start, logprobs, _, drafted = taken
+        token_ids = seq.token_ids[start: start + len(logprobs)]
+        detokenizer = seq.detokenizer
         if detokenizer is None and self.tokenizer is not None:
+            params = seq.request.params
             detokenizer = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                    params.stop)
-        # An end-of-sequence token ends the text; it is not part of it (even with special tokens shown).
-        ending = token_id in request.eos_token_ids
-        text = detokenizer.add(token_id) if detokenizer and not ending else ""
-        reason: str | None = None
-        stop_reason: str | int | None = None
-        length = position + 1
-        if grammar is not None and token_id in self.eos_token_ids:  # even under ignore_eos
-            grammar.ended = True
-        if ending or token_id in params.stop_token_ids or (grammar is not None and grammar.ended):
-            reason, stop_reason = "stop", token_id
-        elif detokenizer and detokenizer.stop_hit is not None:
-            reason, stop_reason = "stop", detokenizer.stop_hit
-        elif length - request.num_prompt_tokens >= request.max_tokens or length >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            if detokenizer and detokenizer.stop_hit is None:
+        text = ""
+        if detokenizer is not None:
+            eos = seq.request.eos_token_ids
+            for i, token_id in enumerate(token_ids):
+                # An end-of-sequence token ends the text; it is not part of it (even with special tokens shown).
+                if token_id not in eos:
+                    text += detokenizer.add(token_id)
+                    if detokenizer.stop_hit is not None:
+                        return self._cut(seq, start, logprobs, drafted, token_ids, i + 1, text)
+        reason = stop_reason = None
+        if seq.finish_reason is not None:  # _read ended it, at its last token
+            reason = seq.finish_reason
+            stop_reason = token_ids[-1] if reason == "stop" else None
+            if detokenizer is not None:
                 text += detokenizer.flush()  # held-back text was not a stop string after all...
                 if detokenizer.stop_hit is not None and reason == "length":  # ...unless it now is
-                    reason, stop_reason = "stop", detokenizer.stop_hit
-            self.scheduler.finish(seq, reason)
-        return SampleDelta(seq.index, [token_id], text, None if logprobs is None else [logprobs], reason, stop_reason)
+                    reason = seq.finish_reason = "stop"
+                    stop_reason = detokenizer.stop_hit
+        self.generation_tokens_total += len(token_ids)
+        if drafted:
+            self.speculative_tokens_total += len(token_ids)
+        return SampleDelta(seq.index, token_ids, text, None if logprobs[0] is None else logprobs, reason, stop_reason)
+
+    def _cut(self, seq: Sequence, start: int, logprobs: list[TokenLogprobs | None], drafted: bool,
+             token_ids: list[int], count: int, text: str) -> SampleDelta:
+        """A stop string completed by the count-th of a sample's new tokens ends the sample there; the
+        tokens after it are dropped (a step with drafts confirms several at once). A stop token id
+        read at that same token is the reason given, as it is checked first."""
+        by_token = count == len(token_ids) and seq.is_finished and seq.finish_reason == "stop"
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        seq.finish_reason = "stop"
+        del seq.token_ids[start + count:]
+        self.generation_tokens_total += count
+        if drafted:
+            self.speculative_tokens_total += count
+        logprobs = logprobs[:count]
+        return SampleDelta(seq.index, token_ids[:count], text, None if logprobs[0] is None else logprobs, "stop",
+                           token_ids[-1] if by_token else seq.detokenizer.stop_hit)
 
     @staticmethod
     def _times(request: Request) -> RequestTimes:

@@ -18,8 +18,8 @@ BS = 4  # block size everywhere in this file
 
 
 class Engine:
-    """LLMEngine.step's calls into the scheduler (engine/llm_engine.py: step, _launch, _collect,
-    _append, abort) with the model left out: a sampled token is a function of the sample's seed and
+    """LLMEngine.step's calls into the scheduler (engine/llm_engine.py: step, _launch, _read,
+    _ends, abort) with the model left out: a sampled token is a function of the sample's seed and
     position, so a sequence recomputed after preemption samples the same tokens again.
 
     With overlap (the engine's default), a step's tokens are read in the next step, after that step

@@ -257,6 +257,7 @@ def assert_same(a: Completion, b: Completion) -> None:
         for lp, olp in zip(sample.logprobs, other.logprobs):
             assert olp.logprob == pytest.approx(lp.logprob, abs=1e-3)
             assert [t for t, _ in olp.top] == [t for t, _ in lp.top]
+    assert b.usage.completion_tokens == a.usage.completion_tokens  # tokens past a stop string dropped
 
 
 def chats(*texts: str) -> list[list[dict[str, str]]]:
@@ -289,6 +290,8 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
     assert after.draft_tokens > before.draft_tokens
     assert after.accepted_draft_tokens > before.accepted_draft_tokens  # speculation really ran, and paid
     assert got[3].samples[0].finish_reason == "stop"  # the stop string ended a step of drafts
+    emitted = sum(len(sample.token_ids) for c in got for sample in c.samples.values())
+    assert after.generation_tokens - before.generation_tokens == emitted
     assert spec.block_manager.num_used_blocks == 0
 
 
