@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -48,8 +49,8 @@ class Tokenizer:
         # sampled token (IncrementalDetokenizer), and transformers' Python layers around it cost 3x.
         backend = getattr(hf, "backend_tokenizer", None)
         plain = type(hf)._decode is TokenizersBackend._decode
-        self._backend_decode = (backend.decode if backend is not None and plain and not hf.clean_up_tokenization_spaces
-                                else None)
+        self.backend = backend if backend is not None and plain and not hf.clean_up_tokenization_spaces else None
+        self._backend_decode = self.backend.decode if self.backend is not None else None
 
     @staticmethod
     def present(path: Path) -> bool:
@@ -177,17 +178,30 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.pending = ""  # decoded, but held back while it may begin a stop string
         self.stop_hit: str | None = None
+        # The same window kept by the Rust decoder, where it decodes as transformers does: one call a
+        # token instead of two decodes and their slices, on every sampled token.
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if tokenizer.backend is not None else None
 
     def add(self, token_id: int) -> str:
         """Add one token; return the text that became final."""
         self.token_ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full = decode(self.token_ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for the next byte-fallback token
+        text = None
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self.tokenizer.backend, token_id)
+            except Exception:  # the window's text no longer starts with its prefix (odd bytes): decode it here from now on
+                self._stream = None
+            else:
+                if text is None:
+                    return ""  # an incomplete character: wait for the next byte-fallback token
+        if text is None:
+            prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+            full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return ""  # an incomplete character: wait for the next byte-fallback token
+            text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._release(full[len(prefix) :])
+        return self._release(text)
 
     def _release(self, text: str) -> str:
         if not self.stop:

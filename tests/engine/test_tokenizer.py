@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import copy
 import json
 import random
 import shutil
@@ -187,6 +188,36 @@ def test_byte_fallback_random_sequences_stream_to_their_decode(byte_fallback_tok
         if rng.random() < 0.3:
             ids += [rng.choice(pieces)] + [byte_id[b] for b in "中".encode()[: rng.randrange(1, 3)]]
         assert_streams_to_decode(byte_fallback_tokenizer, ids, skip_special_tokens)
+
+
+def python_decoded(tokenizer: Tokenizer) -> Tokenizer:
+    """The same tokenizer decoded through transformers, as one whose decode adds to the Rust
+    decoder's is (clean_up_tokenization_spaces, or its own _decode): no DecodeStream."""
+    other = copy.copy(tokenizer)
+    other.backend = other._backend_decode = None
+    return other
+
+
+def test_the_rust_stream_and_the_python_window_give_the_same_deltas(tokenizer: Tokenizer,
+                                                                    byte_fallback_tokenizer: Tokenizer) -> None:
+    rng = random.Random(1)
+    for tok in (tokenizer, byte_fallback_tokenizer):
+        slow = python_decoded(tok)
+        assert IncrementalDetokenizer(tok)._stream is not None and IncrementalDetokenizer(slow)._stream is None
+        specials = list(tok.hf.all_special_ids)
+        fell_back = 0  # streams whose window stopped starting with its prefix: decoded in Python from there
+        for _ in range(100):
+            ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randrange(1, 30))]
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+            detok = IncrementalDetokenizer(tok)
+            for token_id in ids:
+                detok.add(token_id)
+            fell_back += detok._stream is None
+            for skip_special_tokens in (True, False):
+                assert stream(tok, ids, skip_special_tokens) == stream(slow, ids, skip_special_tokens), ids
+                if tok is tokenizer:  # random byte-fallback runs retract text (test_byte_fallback_random_...)
+                    assert_streams_to_decode(slow, ids, skip_special_tokens)
+        assert fell_back > 0 if tok is byte_fallback_tokenizer else fell_back == 0
 
 
 # Stop strings
