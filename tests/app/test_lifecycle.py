@@ -1,6 +1,7 @@
 """Health and readiness through loading, a failed load, and a dead engine loop (in-process app)."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -8,8 +9,10 @@ import pytest
 from starlette.testclient import TestClient
 
 import app.server as server_module
+from app.metrics import Metrics
 from app.server import create_app
 from app.settings import ServerSettings
+from app.state import AppState
 from engine.config import EngineConfig
 
 
@@ -61,3 +64,19 @@ def test_failed_load_is_reported_by_health(tmp_path) -> None:
         wait_for(client, "/health", 503)
         assert client.get("/ready").json() == {"status": "failed"}
         assert client.get("/health").json() == {"status": "dead"}
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_only_a_server_process_freezes_what_loading_made(monkeypatch, freeze: bool) -> None:
+    # gc.freeze keeps full collections off the loaded model's objects; a test process, which builds
+    # many engines, must not keep them all from being collected.
+    frozen = []
+    monkeypatch.setattr(server_module.gc, "freeze", lambda: frozen.append(True))
+    settings = ServerSettings(engine=EngineConfig(model="random:tiny-llama3", device="cpu", kv_cache_memory="16MiB"))
+    state = AppState(settings, Metrics(settings.model_name, lambda: None))
+    asyncio.run(server_module.load_engine(state, freeze=freeze))
+    try:
+        assert state.ready and state.load_error is None
+        assert frozen == ([True] if freeze else [])
+    finally:
+        state.engine.shutdown()
