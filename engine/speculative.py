@@ -177,15 +177,17 @@ class NgramIndex:
         """The k tokens (or fewer) after the latest earlier occurrence of the last n of token_ids'
         first `length` (the longest n first, down to min_n, by default the index's) that starts
         within `window` of its end."""
-        # Every n-gram that ends before the last token: an occurrence must leave a token to follow.
-        for n in range(self.min_n, self.max_n + 1):
-            first = max(self.indexed + 1, self.start + n)  # the first new end of an n-gram
-            if first < length:
-                part = list(token_ids[first - n:length - 1])
-                self.ends.update(zip(zip(*(part[i:] for i in range(n))), range(first, length)))  # later ends win
+        ends, start, max_n = self.ends, self.start, self.max_n
+        # Every n-gram that ends before the last token (an occurrence must leave a token to follow),
+        # by its end: later ends win. One slice a new end, its n-grams cut from it.
+        for end in range(max(self.indexed + 1, start + self.min_n), length):
+            gram = tuple(token_ids[max(start, end - max_n):end])
+            for n in range(self.min_n, len(gram) + 1):
+                ends[gram[-n:]] = end
         self.indexed = max(self.indexed, length - 1)
-        for n in range(min(self.max_n, length - 1), max(self.min_n, min_n or 0) - 1, -1):
-            end = self.ends.get(tuple(token_ids[length - n:length]))
+        tail = tuple(token_ids[max(0, length - max_n):length])
+        for n in range(min(max_n, length - 1), max(self.min_n, min_n or 0) - 1, -1):
+            end = ends.get(tail[-n:])
             if end is not None and end - n >= length - window:
                 return list(token_ids[end:end + k])
         return []
