@@ -8,12 +8,15 @@ import math
 import random
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.llm_engine import Completion, LLMEngine
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Request, Sequence, placeholder
+from engine.tokenizer import IncrementalDetokenizer
 from engine.speculative import (MAX_PAUSE, MAX_SKIP, MIN_PAUSE, PATIENCE, PROBE_STEPS, WARM_STEPS, DraftState,
                                 NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted, max_batch)
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
@@ -363,6 +366,37 @@ def test_aborts_leak_no_block(engines) -> None:
         spec.step()
     spec.step()  # the step in flight lands
     assert spec.block_manager.num_used_blocks == 0 and not spec.scheduler.running
+
+
+def test_a_step_with_drafts_launches_before_the_text_of_the_step_it_read(default_model_dir, monkeypatch) -> None:
+    # Its host work is all on the device's critical path (it waits for the step before it), so the
+    # detokenizer and the outputs of the step it read run after its launch (LLMEngine._emit).
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama3", tokenizer=str(default_model_dir), device="cpu",
+                                    kv_cache_memory="16MiB", speculative_method="ngram", speculative_gate=False))
+    events: list[str] = []
+    cycle = [300 + 7 * i for i in range(16)]  # merged pieces of the embedded vocabulary: each has text
+
+    def forward(step, prev, rows=None):  # a stub model: the tokens that carry on the prompt's cycle
+        events.append("launch")
+        n = len(step.logit_rows) + len(step.prompt_rows)
+        return torch.zeros(n, 512) if n else None
+
+    engine.runner.forward = forward
+    engine.runner.sample = lambda logits, rows, mask=None: SamplerOutput(
+        torch.tensor([cycle[row.counter % 16] for row in rows], dtype=torch.int64))
+    add = IncrementalDetokenizer.add
+    monkeypatch.setattr(IncrementalDetokenizer, "add", lambda self, token_id: events.append("text") or add(self, token_id))
+    request = engine.add_request(cycle * 4, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished():
+        events.clear()
+        engine.step()
+        steps.append(list(events))
+    assert request.sequences[0].output_token_ids == (cycle * 3)[:40] and engine.stats().accepted_draft_tokens >= 20
+    both = [step for step in steps if "launch" in step and "text" in step]  # a step launched, one read
+    assert len(both) >= 8 and all(step.index("launch") < step.index("text") for step in both)
+    assert engine.block_manager.num_used_blocks == 0
+    engine.close()
 
 
 def test_flags_are_checked() -> None:
