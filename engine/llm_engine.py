@@ -380,7 +380,7 @@ class LLMEngine:
         row = 0
         for s in sampling:  # a sequence with drafts takes its tokens when they are read (_accept)
             seq = s.seq
-            positions.append(seq.num_tokens)
+            positions.append(len(seq.token_ids))
             if not s.drafts:
                 seq.token_ids.append(placeholder(row))
                 seq.num_placeholders += 1

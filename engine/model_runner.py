@@ -418,7 +418,7 @@ class ModelRunner:
         """What sampling needs of a sequence, taken before its placeholder for this step is added:
         one row, or one per position its drafts reach, each keyed by the index it samples."""
         seq, request = s.seq, s.seq.request
-        params, num_tokens = request.params, seq.num_tokens
+        params, num_tokens = request.params, len(seq.token_ids)
         # Penalties read the history (such steps wait for real ids); a draft's row reads the drafts
         # before it too, as the step after them would.
         history = seq.output_token_ids if params.penalized else None

@@ -65,12 +65,14 @@ class Scheduler:
         preempted = False
         chunking = False  # a prefill that needs more than this step is under way: only one at a time
         running = list(self.running)
-        decodes_left = sum(1 for s in running if s.num_tokens - s.num_computed_tokens == 1)
+        decodes_left = 0
+        for seq in running:  # the loops over the batch read len(token_ids), not the property (bench/host_step.py)
+            decodes_left += len(seq.token_ids) - seq.num_computed_tokens == 1
         limits = self._draft_limits(running)
         for seq in running:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
             drafts: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
@@ -189,7 +191,7 @@ class Scheduler:
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> None:
         drafts = drafts or []
-        samples = seq.num_computed_tokens + num_new - len(drafts) == seq.num_tokens
+        samples = seq.num_computed_tokens + num_new - len(drafts) == len(seq.token_ids)
         out.scheduled.append(ScheduledSequence(seq, num_new, samples=samples, drafts=drafts))
         request = seq.request
         if samples and seq.index == 0 and request.num_pending_forks:
@@ -215,13 +217,17 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens' KV is in the cache (a step with drafts counts
         what the target accepts, once its samples are read: LLMEngine._accept)."""
+        block_size = self.block_manager.block_size
         for s in out.scheduled:
             seq = s.seq
-            if s.num_new_tokens and not seq.is_finished and not s.drafts:
+            if s.num_new_tokens and not s.drafts and seq.status != SequenceStatus.FINISHED:
                 old = seq.num_computed_tokens
-                seq.num_computed_tokens += s.num_new_tokens
-                self.num_computed_prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - old)
-                self.block_manager.cache_full_blocks(seq, old)
+                new = seq.num_computed_tokens = old + s.num_new_tokens
+                prompt = len(seq.request.prompt_token_ids)
+                if old < prompt:
+                    self.num_computed_prompt_tokens += min(new, prompt) - old
+                if new // block_size != old // block_size:  # a block filled: a decode fills one in block_size
+                    self.block_manager.cache_full_blocks(seq, old)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop seq (done or aborted) and return its blocks at once."""
