@@ -45,8 +45,9 @@ class Tokenizer:
         self._marked = re.compile(f"{MARK_START}({self._controls.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
         self._newline_ids = self.encode("\n", add_special_tokens=False)
         self._spellings: dict[str, list[int]] = {}  # a control token's spelling -> its ids as text
-        # The Rust decoder directly where transformers' decode adds nothing to it: it runs twice per
-        # sampled token (IncrementalDetokenizer), and transformers' Python layers around it cost 3x.
+        # The Rust tokenizer directly where transformers' decode adds nothing to it: the detokenizer
+        # steps it on every sampled token (IncrementalDetokenizer), and transformers' Python layers
+        # around a decode cost 3x. None: decode through transformers.
         backend = getattr(hf, "backend_tokenizer", None)
         plain = type(hf)._decode is TokenizersBackend._decode
         self.backend = backend if backend is not None and plain and not hf.clean_up_tokenization_spaces else None
