@@ -548,7 +548,7 @@ class LLMEngine:
         return list(outputs.values())
 
     def _text(self, taken: _Taken) -> SampleDelta:
-        """A sample's new tokens as final text, and its end if _read found one."""
+        """A sample's new tokens as final text, and its end: one _read found, or a stop string (_cut)."""
         seq, start, logprobs, _, drafted = taken
         token_ids = seq.token_ids[start: start + len(logprobs)]
         detokenizer = seq.detokenizer
@@ -557,6 +557,7 @@ class LLMEngine:
             detokenizer = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                    params.stop)
         text = ""
+        reason = stop_reason = None
         if detokenizer is not None:
             eos = seq.request.eos_token_ids
             for i, token_id in enumerate(token_ids):
@@ -564,9 +565,10 @@ class LLMEngine:
                 if token_id not in eos:
                     text += detokenizer.add(token_id)
                     if detokenizer.stop_hit is not None:
-                        return self._cut(seq, start, logprobs, drafted, token_ids, i + 1, text)
-        reason = stop_reason = None
-        if seq.finish_reason is not None:  # _read ended it, at its last token
+                        reason, stop_reason = "stop", self._cut(seq, start, token_ids, i + 1)
+                        token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                        break
+        if reason is None and seq.finish_reason is not None:  # _read ended it, at its last token
             reason = seq.finish_reason
             stop_reason = token_ids[-1] if reason == "stop" else None
             if detokenizer is not None:
@@ -579,22 +581,17 @@ class LLMEngine:
             self.speculative_tokens_total += len(token_ids)
         return SampleDelta(seq.index, token_ids, text, None if logprobs[0] is None else logprobs, reason, stop_reason)
 
-    def _cut(self, seq: Sequence, start: int, logprobs: list[TokenLogprobs | None], drafted: bool,
-             token_ids: list[int], count: int, text: str) -> SampleDelta:
-        """A stop string completed by the count-th of a sample's new tokens ends the sample there; the
-        tokens after it are dropped (a step with drafts confirms several at once). A stop token id
-        read at that same token is the reason given, as it is checked first."""
+    def _cut(self, seq: Sequence, start: int, token_ids: list[int], count: int) -> str | int:
+        """End a sample at the count-th of its new tokens (token_ids, from `start` in its token_ids),
+        which completed a stop string; the tokens after it are dropped (a step with drafts confirms
+        several at once). The stop reason: that stop string, or the token's id where _read ended the
+        sample there by it (ids are checked first)."""
         by_token = count == len(token_ids) and seq.is_finished and seq.finish_reason == "stop"
         if not seq.is_finished:
             self.scheduler.finish(seq, "stop")
         seq.finish_reason = "stop"
         del seq.token_ids[start + count:]
-        self.generation_tokens_total += count
-        if drafted:
-            self.speculative_tokens_total += count
-        logprobs = logprobs[:count]
-        return SampleDelta(seq.index, token_ids[:count], text, None if logprobs[0] is None else logprobs, "stop",
-                           token_ids[-1] if by_token else seq.detokenizer.stop_hit)
+        return token_ids[count - 1] if by_token else seq.detokenizer.stop_hit
 
     @staticmethod
     def _times(request: Request) -> RequestTimes:
