@@ -51,7 +51,6 @@ class Tokenizer:
         backend = getattr(hf, "backend_tokenizer", None)
         plain = type(hf)._decode is TokenizersBackend._decode
         self.backend = backend if backend is not None and plain and not hf.clean_up_tokenization_spaces else None
-        self._backend_decode = self.backend.decode if self.backend is not None else None
 
     @staticmethod
     def present(path: Path) -> bool:
@@ -160,8 +159,8 @@ class Tokenizer:
         return [token.id for split in splits for token in backend.model.tokenize(split)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self.backend is not None:
+            return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 

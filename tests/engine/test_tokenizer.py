@@ -194,7 +194,7 @@ def python_decoded(tokenizer: Tokenizer) -> Tokenizer:
     """The same tokenizer decoded through transformers, as one whose decode adds to the Rust
     decoder's is (clean_up_tokenization_spaces, or its own _decode): no DecodeStream."""
     other = copy.copy(tokenizer)
-    other.backend = other._backend_decode = None
+    other.backend = None
     return other
 
 
