@@ -131,11 +131,13 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence, old_num_computed: int) -> None:
-        """Register the blocks that seq's last step filled with computed KV."""
+        """Register the blocks that seq's last step filled with computed KV of real tokens (the
+        drafts of a step in flight are not, until it is read)."""
         if not self.enable_prefix_caching:
             return
-        first, last = old_num_computed // self.block_size, seq.num_computed_tokens // self.block_size
-        if first == last:
+        first = old_num_computed // self.block_size
+        last = min(seq.num_computed_tokens, seq.num_real_tokens) // self.block_size
+        if first >= last:
             return
         for i, h in enumerate(self._hashes(seq, last)[first:last], start=first):
             block = self.blocks[seq.block_table[i]]

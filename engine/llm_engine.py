@@ -22,11 +22,12 @@ from engine.sampler import SampleRow, SamplerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, placeholder
-from engine.speculative import METHODS, NgramProposer, Proposer, SpeedGate, SuffixProposer, accepted
+from engine.speculative import METHODS, Lookahead, NgramProposer, Proposer, SpeedGate, SuffixProposer, accepted
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
-from engine.builder import build_runner, context_length, draft_batch, kv_cache_blocks, load_draft, load_shard, model_source
+from engine.builder import (build_runner, context_length, draft_batch, draft_overlap, kv_cache_blocks, load_draft,
+                            load_shard, model_source)
 from engine.draft_model import DraftModelProposer
 from engine.workers import start_tensor_parallel
 
@@ -40,7 +41,7 @@ class _InFlight:
     """A launched step: who samples, where each token goes, and the sampled ids still on the device."""
 
     sampling: list[ScheduledSequence]
-    positions: list[int]  # per row, the index in its sequence's token_ids that holds its placeholder
+    positions: list[int]  # per sample, the index in its token_ids of its first draft, else of its placeholder
     sampled: SamplerOutput | None  # None while a step with grammar rows waits to sample (next step() call)
     deferred: tuple[torch.Tensor, list[SampleRow]] | None = None  # its logits and rows until then
     constrained: bool = False  # some row has a grammar: it samples late, and its tokens feed grammars
@@ -48,6 +49,7 @@ class _InFlight:
     # Prompt logprobs computed in this step, and per request how many of them are its.
     prompt: tuple[SamplerOutput, list[tuple[Request, int]]] | None = None
     decode_only: bool = False  # every sequence decodes (some with drafts): a step the speed gate times
+    rows: int = 0  # sampled ids: a row a sample and a draft
 
 
 # A sample's tokens read from a step and put in place, whose text and outputs are still to make
@@ -112,7 +114,9 @@ class LLMEngine:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
                                        self._proposer(draft, num_blocks), draft_batch(config, device),
-                                       SpeedGate() if config.speculative_method and config.speculative_gate else None)
+                                       SpeedGate() if config.speculative_method and config.speculative_gate else None,
+                                       Lookahead() if config.speculative_method and draft_overlap(config, device)
+                                       else None)
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
@@ -124,8 +128,10 @@ class LLMEngine:
             raise
         self.requests: dict[str, Request] = {}
         self._in_flight: _InFlight | None = None  # the launched step whose tokens are not read yet
-        self.clock = time.perf_counter  # the speed gate's
+        self.clock = time.perf_counter  # the speed gate's and the lookahead's
         self._last_read = self.clock()  # when a step's tokens were last read
+        self._landed = 0.0  # when the ids of the step read last reached the host
+        self._waited_launch: float | None = None  # when the step in flight was launched, if after a wait
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.constrained_requests_total = 0
@@ -293,13 +299,23 @@ class LLMEngine:
         after its forward launched. The grammar worker fills them from the moment those tokens are
         read, while this thread collects step N and the next call schedules and prepares; that call
         samples it just before its own forward launches behind it.
+
+        A step with drafts moves each sequence by as many tokens as the target accepts, and drafts
+        follow the real ids. So the step after it waits for it, unless every sequence in it goes
+        ahead (Scheduler.goes_ahead, with --speculative-overlap): then the next step assumes its
+        drafts accepted, its last sample a placeholder, and drafts past a guess of that sample
+        (Proposer.guesses). A sequence whose drafts the target then rejects in part rolls back
+        (_accept), and its rows in the step launched on them are stale: it loses that step.
         """
         outputs: list[RequestOutput] = []
         prev = read = self._in_flight  # read: the step whose tokens this call reads
-        drafting = early = False
+        drafting = early = ahead = False
         if prev is not None:
             drafting = self.scheduler.drafting()
-            early = drafting or any(s.drafts or s.seq.request.params.penalized for s in prev.sampling)
+            early = drafting or any(s.seq.request.params.penalized or (s.drafts and not self.scheduler.goes_ahead(s))
+                                    for s in prev.sampling)
+            # Launched on drafts in flight.
+            ahead = not early and self.scheduler.lookahead is not None and any(s.drafts for s in prev.sampling)
         reads = None
         if early:
             # Penalties read the real history, and drafts follow it and move each sequence by as many
@@ -309,11 +325,13 @@ class LLMEngine:
             read_at = self.clock()
             prev = None
         out = self.scheduler.schedule()
-        prev_rows = len(prev.sampling) if prev is not None and prev.sampling else None  # placeholders it may name
+        prev_rows = prev.rows if prev is not None and prev.sampling else None  # placeholders it may name
         step = self.runner.prepare(out, prev_rows) if out.scheduled else None
         if prev is not None and prev.sampled is None:
             self._sample_deferred(prev)
         launched = self._launch(out, step, prev) if step is not None else None
+        if self.scheduler.lookahead is not None:
+            self._time_wait(early, launched)
         if reads is not None:
             outputs += self._emit(reads)
         if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
@@ -325,19 +343,31 @@ class LLMEngine:
         self.scheduler.update_computed(out)
         self._in_flight = launched
         if read is not None and self.scheduler.gate is not None:  # timed where a step was read and one launched
-            self._time_read(read, outputs, drafting, read_at, timed=launched is not None and (drafting or not early))
+            self._time_read(read, outputs, drafting or ahead, read_at,
+                            timed=launched is not None and (drafting or ahead or not early))
         return outputs
 
     def _time_read(self, read: _InFlight, outputs: list[RequestOutput], drafting: bool, now: float, timed: bool
                    ) -> None:
-        """Tell the speed gate how fast decode steps go with drafts (each waiting for the one before)
-        and without (overlapped): the tokens of the step just read over the time since the one before
-        it was read. A step that waited but found nothing to draft is not timed: sequences with
-        nothing to propose back off by themselves (speculative.DraftState)."""
+        """Tell the speed gate how fast decode steps go with drafts (each waiting for the one before,
+        or launched ahead of it) and without (overlapped): the tokens of the step just read over the
+        time since the one before it was read. A step that waited but found nothing to draft is not
+        timed: sequences with nothing to propose back off by themselves (speculative.DraftState)."""
         seconds, self._last_read = now - self._last_read, now
         if timed and read.decode_only and read.sampling and drafting == any(s.drafts for s in read.sampling):
             tokens = sum(len(delta.token_ids) for output in outputs for delta in output.deltas)
             self.scheduler.gate.record(drafting, len(read.sampling), tokens, seconds)
+
+    def _time_wait(self, early: bool, launched: _InFlight | None) -> None:
+        """Tell the lookahead what a step with drafts that waited for the one before costs: the host's
+        work from that one's ids landing to this launch, and the device time of that one, where it
+        too was launched after a wait (then it ran alone, from its launch to its ids landing)."""
+        now = self.clock()
+        waited = early and launched is not None and any(s.drafts for s in launched.sampling)
+        if waited:
+            device = self._landed - self._waited_launch if self._waited_launch is not None else None
+            self.scheduler.lookahead.record(now - self._landed, device)
+        self._waited_launch = now if waited else None
 
     def _sample_deferred(self, in_flight: _InFlight) -> None:
         """Launch the sampling of a step with grammar rows, under the masks filled for it."""
@@ -378,15 +408,18 @@ class LLMEngine:
         sampled = None if constrained else self.runner.sample(logits, rows)
         positions = []
         row = 0
-        for s in sampling:  # a sequence with drafts takes its tokens when they are read (_accept)
+        for s in sampling:  # drafts stand in a sequence's tokens until they are read (_accept)
             seq = s.seq
             positions.append(len(seq.token_ids))
-            if not s.drafts:
-                seq.token_ids.append(placeholder(row))
-                seq.num_placeholders += 1
-            row += 1 + len(s.drafts)
+            if s.drafts:
+                seq.token_ids += s.drafts
+                seq.num_placeholders += len(s.drafts)
+                row += len(s.drafts)
+            seq.token_ids.append(placeholder(row))
+            seq.num_placeholders += 1
+            row += 1
         return _InFlight(sampling, positions, sampled, None if sampled else (logits, rows), constrained, prompt=prompt,
-                         decode_only=step.decodes)
+                         decode_only=step.decodes, rows=row)
 
     @staticmethod
     def _prompt_logprob_rows(out: SchedulerOutput, step: StepInputs
@@ -462,6 +495,7 @@ class LLMEngine:
                 request.prompt_logprobs += prompt.logprobs[taken: taken + count]
                 taken += count
         token_ids, logprobs = in_flight.sampled.token_id_list, in_flight.sampled.logprobs
+        self._landed = self.clock()
         if in_flight.masked:  # each filled row's grammar takes its token (in the worker, with the next step)
             self.grammar_worker.accept(token_ids)
         if launched is not None and launched.constrained:  # a row finishing now gets a mask it won't use
@@ -472,14 +506,14 @@ class LLMEngine:
         for s, position in zip(in_flight.sampling, in_flight.positions):
             seq, request = s.seq, s.seq.request
             row += 1 + len(s.drafts)
-            if seq.is_finished:  # aborted, or done in the step before: this token is surplus
+            if seq.is_finished or s.stale:  # aborted, done or rolled back in the step before: surplus
                 continue
             first = request.first_token_time is None
             if first:
                 request.first_token_time = now
             if s.drafts:
-                reads.append(self._accept(s, token_ids[row - 1 - len(s.drafts):row],
-                                          logprobs[row - 1 - len(s.drafts):row], first))
+                reads.append(self._accept(s, position, token_ids[row - 1 - len(s.drafts):row],
+                                          logprobs[row - 1 - len(s.drafts):row], first, launched))
             else:
                 seq.token_ids[position] = token_id = token_ids[row - 1]
                 seq.num_placeholders -= 1
@@ -487,27 +521,40 @@ class LLMEngine:
                 reads.append((seq, position, [logprobs[row - 1]], first, False))
         return reads
 
-    def _accept(self, s: ScheduledSequence, sampled: list[int], logprobs: list[TokenLogprobs | None], first: bool
-                ) -> _Taken:
-        """A sequence's drafts against the target's samples at their positions: the confirmed drafts
-        and the sample after them become its tokens; the KV of the rejected ones is dropped, and the
-        blocks only they used go back to the pool."""
-        seq = s.seq
+    def _accept(self, s: ScheduledSequence, start: int, sampled: list[int], logprobs: list[TokenLogprobs | None],
+                first: bool, launched: _InFlight | None) -> _Taken:
+        """A sequence's drafts (from `start` in its token_ids) against the target's samples at their
+        positions: the confirmed drafts and the sample after them become its tokens. The rejected
+        ones go, with the tokens of any step launched on them (whose rows for it are then stale),
+        their KV is no longer counted, and the blocks only they used go back to the pool."""
+        seq, k = s.seq, len(s.drafts)
         confirmed = accepted(s.drafts, sampled)
-        self.draft_tokens_total += len(s.drafts)
+        self.draft_tokens_total += k
         self.accepted_draft_tokens_total += confirmed
-        seq.drafting.record(len(s.drafts), confirmed, self.scheduler.proposer.num_tokens)
-        old = seq.num_computed_tokens
-        start = len(seq.token_ids)
-        for token_id in sampled[: confirmed + 1]:
-            seq.token_ids.append(token_id)
-            if self._ends(seq, len(seq.token_ids) - 1, token_id):  # finish() already gave its blocks back
+        seq.drafting.record(k, confirmed, self.scheduler.proposer.num_tokens)
+        tokens = seq.token_ids
+        if confirmed == k:  # the drafts stand; the sample after them takes the placeholder
+            tokens[start + k] = sampled[k]
+            seq.num_placeholders -= k + 1
+        else:
+            del tokens[start + confirmed:]
+            tokens.append(sampled[confirmed])
+            seq.num_placeholders = 0
+            seq.num_computed_tokens = min(seq.num_computed_tokens, start + confirmed)  # its last and the confirmed
+            self.block_manager.trim(seq)
+            if launched is not None:
+                for t in launched.sampling:
+                    if t.seq is seq:
+                        t.stale = True
+        count = confirmed + 1
+        for i in range(count):
+            if self._ends(seq, start + i, tokens[start + i]):  # finish() already gave its blocks back
+                count = i + 1
+                del tokens[start + count:]
                 break
         if not seq.is_finished:
-            seq.num_computed_tokens = old + 1 + confirmed  # its last token and the confirmed drafts
-            self.block_manager.cache_full_blocks(seq, old)
-            self.block_manager.trim(seq)
-        return seq, start, logprobs[: len(seq.token_ids) - start], first, True
+            self.block_manager.cache_full_blocks(seq, start - 1)
+        return seq, start, logprobs[:count], first, True
 
     def _ends(self, seq: Sequence, position: int, token_id: int) -> bool:
         """Whether the token now at `position` ends the sample by its id or the sample's length

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculative import DraftState, Proposer, SpeedGate
+from engine.speculative import DraftState, Lookahead, Proposer, SpeedGate
 
 
 @dataclass(slots=True)
@@ -25,6 +25,8 @@ class ScheduledSequence:
     sample_from: Sequence | None = None  # forks sample from their parent's logits in the step they are made
     samples: bool = False  # this step reaches the end of seq's tokens, so a token is sampled
     drafts: list[int] = field(default_factory=list)  # draft tokens computed after seq's last, each sampled too
+    # Launched on drafts of the step before it that the target then rejected: its rows are not read.
+    stale: bool = False
 
 
 @dataclass
@@ -44,11 +46,15 @@ def derive_seed(seed: int, index: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None, max_draft_batch: int = 16, gate: SpeedGate | None = None) -> None:
+                 proposer: Proposer | None = None, max_draft_batch: int = 16, gate: SpeedGate | None = None,
+                 lookahead: Lookahead | None = None) -> None:
         self.block_manager = block_manager
         self.proposer = proposer  # decodes carry its draft tokens when it has some
         self.max_draft_batch = max_draft_batch  # running sequences up to which steps draft (speculative.max_batch)
         self.gate = gate  # whether drafting pays at the batch size, as measured; None: it always may
+        # With --speculative-overlap and a proposer that guesses: decodes may draft past a token still
+        # being sampled, and steps go ahead of steps with drafts in flight (LLMEngine.step).
+        self.lookahead = lookahead if proposer is not None and proposer.guesses else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -137,13 +143,28 @@ class Scheduler:
         return budget - half if any(s.num_tokens <= half for s in self.waiting) else budget
 
     def drafting(self) -> bool:
-        """Whether the next schedule may give a decode drafts: then the engine reads the step in
-        flight first, as drafts follow real ids. Not past max_draft_batch running sequences, nor
+        """Whether the next schedule may give a decode drafts that must follow real ids: then the
+        engine reads the step in flight first. Not past max_draft_batch running sequences, nor
         while every one waits out its misses (speculative.DraftState) or has nothing it would likely
-        propose (Proposer.likely), nor while the gate is shut."""
+        propose (Proposer.likely), nor while the gate is shut; nor for a decode that may draft
+        past the step in flight (guesses)."""
         return (self.proposer is not None and len(self.running) <= self.max_draft_batch
                 and (self.gate is None or self.gate.open(len(self.running)))
-                and any((s.drafting is None or not s.drafting.skip) and self.proposer.likely(s) for s in self.running))
+                and any((s.drafting is None or not s.drafting.skip) and not self.guesses(s) and self.proposer.likely(s)
+                        for s in self.running))
+
+    def guesses(self, seq: Sequence) -> bool:
+        """Whether seq may draft past its tokens in flight (with a lookahead): not where penalties
+        read its history or a grammar masks its rows, as both need its real tokens."""
+        params = seq.request.params
+        return self.lookahead is not None and not params.penalized and params.structured is None
+
+    def goes_ahead(self, s: ScheduledSequence) -> bool:
+        """Whether the step after s's (in flight, with drafts) may be launched before s's is read. A
+        step with drafts moves s by as many tokens as the target accepts; the next one assumes all
+        of them, and if fewer are, s's rows in it are stale. So s goes ahead only if it guesses and
+        its proposals are confirmed whole often enough (Lookahead)."""
+        return self.guesses(s.seq) and s.seq.drafting.odds_whole >= self.lookahead.min_whole
 
     def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
         """The decodes that may draft this step, each with its most drafts (before the step's token
@@ -170,7 +191,7 @@ class Scheduler:
         if state.skip:
             state.skip -= 1
             return 0
-        if seq.num_placeholders:
+        if seq.num_placeholders and not self.guesses(seq):
             return 0
         generated = seq.num_tokens - seq.num_prompt_tokens
         return min(state.length, seq.request.max_tokens - generated - 1)
@@ -215,12 +236,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_computed(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens' KV is in the cache (a step with drafts counts
-        what the target accepts, once its samples are read: LLMEngine._accept)."""
+        """After the forward: the scheduled tokens' KV is in the cache. A step with drafts counts
+        them all, and when its samples are read, LLMEngine._accept takes back the rejected ones; only
+        blocks full of real tokens are hashed."""
         block_size = self.block_manager.block_size
         for s in out.scheduled:
             seq = s.seq
-            if s.num_new_tokens and not s.drafts and seq.status != SequenceStatus.FINISHED:
+            if s.num_new_tokens and not s.stale and seq.status != SequenceStatus.FINISHED:
                 old = seq.num_computed_tokens
                 new = seq.num_computed_tokens = old + s.num_new_tokens
                 prompt = len(seq.request.prompt_token_ids)

@@ -45,7 +45,9 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: "IncrementalDetokenizer | None" = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_placeholders: int = 0  # trailing token ids still being sampled on the device
+    # Trailing token ids not yet real: placeholders for ids still being sampled on the device, and the
+    # drafts of a step in flight (LLMEngine._launch), until that step is read.
+    num_placeholders: int = 0
     grammar: "Grammar | None" = None  # where this sample is in its request's grammar, if it has one
     drafting: "DraftState | None" = None  # under speculation: how it drafts next
 

@@ -28,6 +28,7 @@ WARM_STEPS = 4  # decode steps without drafts that a batch size measures before 
 PROBE_STEPS = 8  # steps with drafts summed into each verdict on them
 MIN_PAUSE, MAX_PAUSE = 16, 1024  # schedules without drafts after a verdict that they did not pay (doubling)
 MIN_GAIN = 1.02  # how much faster drafting must go to keep on: a tie is not worth its waits
+WHOLE_DECAY = 0.9  # a sequence's proposals counted toward its odds of a whole one, each weighed this much less a proposal
 
 
 def max_batch(device_type: str) -> int:
@@ -51,6 +52,8 @@ class DraftState:
     skip: int = 0  # decodes to go before the next proposal
     misses: int = 0  # proposals in a row that the target rejected whole
     dry: int = 0  # decodes in a row with nothing to propose
+    proposals: float = 0.0  # its proposals the target verified, each weighed WHOLE_DECAY less a newer one
+    whole: float = 0.0  # of those, the ones it confirmed whole
 
     def record(self, drafted: int, confirmed: int, most: int) -> None:
         """After a proposal (drafted 0: none found) and the target's verdict."""
@@ -59,10 +62,20 @@ class DraftState:
             misses = self.dry
         else:
             self.dry = 0
+            self.proposals = self.proposals * WHOLE_DECAY + 1
+            self.whole = self.whole * WHOLE_DECAY + (confirmed == drafted)
             self.misses = misses = self.misses + 1 if confirmed == 0 else 0
             self.length = max(1, most >> self.misses)
         if misses >= PATIENCE:
             self.skip = min(2 ** (misses - PATIENCE), MAX_SKIP)
+
+    @property
+    def odds_whole(self) -> float:
+        """The chance that its next proposal is confirmed whole: its recent record, from even odds
+        (Laplace's rule of succession). The record weighs 10 proposals at most, so the odds stay
+        below 11/12: no sequence goes ahead where a stale step costs more than 11 times what going
+        ahead saves (Lookahead)."""
+        return (self.whole + 1) / (self.proposals + 2)
 
 
 @dataclass
@@ -139,11 +152,42 @@ class SpeedGate:
         pace.spec_tokens = pace.spec_seconds = pace.spec_steps = 0
 
 
+class Lookahead:
+    """When a step may go ahead of a step with drafts in flight (--speculative-overlap): launched
+    before that step is read, as if its drafts were all confirmed. Going ahead saves the host's
+    work between reading a step and launching the next (`host`); where the drafts are not all
+    confirmed, the step launched on them is stale for that sequence, which loses a step's device
+    time less that work (`device` - `host`). So a sequence goes ahead while the odds that its
+    proposal in flight is confirmed whole (DraftState.odds_whole) are at least min_whole = 1 - host
+    / device, both measured on steps that waited (moving averages). Until they are, none does."""
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight  # of the newest step in the moving averages
+        self.host = 0.0  # seconds from a step's ids landing on the host to the next launch
+        self.device = 0.0  # seconds a step with drafts runs on the device
+        self.min_whole = 1.0
+
+    def record(self, host: float, device: float | None) -> None:
+        """A step with drafts that waited for the one before: its host work on the critical path,
+        and the device time of that one where it also waited (None: not measured)."""
+        self.host = host if not self.host else self.host + self.weight * (host - self.host)
+        if device is not None:
+            self.device = device if not self.device else self.device + self.weight * (device - self.device)
+        if self.device:
+            self.min_whole = max(0.0, 1.0 - self.host / self.device)
+
+
 class Proposer:
     """A draft source. Lookups propose a sequence at a time; a draft model computes every drafting
-    sequence's proposals in one batch (prepare), which propose then hands out."""
+    sequence's proposals in one batch (prepare), which propose then hands out.
+
+    A proposer that `guesses` may be asked for drafts while a sequence's last token is still being
+    sampled (a placeholder) and the drafts of the step in flight stand in its tokens: it proposes
+    one token more, its guess of that last one, and gives the tokens after the guess. The target
+    verifies them as any drafts; a wrong guess only costs their acceptance."""
 
     num_tokens: int  # the most drafts it proposes for a sequence in one step
+    guesses = False  # it can propose past a token still being sampled
 
     def prepare(self, seqs: list[Sequence], limits: list[int]) -> None:
         """Once a schedule, before any propose: the decodes that may draft, each with its most drafts."""
@@ -173,23 +217,26 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> its latest end (exclusive)
         self.indexed = start  # n-grams ending at or before it are in `ends`
 
-    def lookup(self, token_ids: Tokens[int], length: int, k: int, window: int, min_n: int | None = None) -> list[int]:
+    def lookup(self, token_ids: Tokens[int], length: int, k: int, window: int, min_n: int | None = None,
+               real: int | None = None) -> list[int]:
         """The k tokens (or fewer) after the latest earlier occurrence of the last n of token_ids'
         first `length` (the longest n first, down to min_n, by default the index's) that starts
-        within `window` of its end."""
+        within `window` of its end. Only n-grams of the first `real` tokens (default: length) are
+        indexed: the drafts of a step in flight may yet be rejected."""
         ends, start, max_n = self.ends, self.start, self.max_n
         # Every n-gram that ends before the last token (an occurrence must leave a token to follow),
         # by its end: later ends win. One slice a new end, its n-grams cut from it.
-        for end in range(max(self.indexed + 1, start + self.min_n), length):
+        stop = length if real is None else min(length, real + 1)
+        for end in range(max(self.indexed + 1, start + self.min_n), stop):
             gram = tuple(token_ids[max(start, end - max_n):end])
             for n in range(self.min_n, len(gram) + 1):
                 ends[gram[-n:]] = end
-        self.indexed = max(self.indexed, length - 1)
+        self.indexed = max(self.indexed, stop - 1)
         tail = tuple(token_ids[max(0, length - max_n):length])
         for n in range(min(max_n, length - 1), max(self.min_n, min_n or 0) - 1, -1):
             end = ends.get(tail[-n:])
             if end is not None and end - n >= length - window:
-                return list(token_ids[end:end + k])
+                return list(token_ids[end:min(end + k, length)])
         return []
 
 
@@ -199,6 +246,8 @@ class NgramProposer(Proposer):
     Each proposal of a sequence's that the target rejected whole asks one token more of the next
     match (up to max_n), until a draft is accepted: chat repeats short n-grams that predict
     nothing, and a proposal that is likely (`likely`) costs a step that waits for the one before."""
+
+    guesses = True
 
     def __init__(self, num_tokens: int, max_n: int = 4, min_n: int = 2, window: int = 4096) -> None:
         self.num_tokens = num_tokens
@@ -212,7 +261,11 @@ class NgramProposer(Proposer):
         k = min(self.num_tokens, limit)
         if k <= 0:
             return []
-        return self._index(seq).lookup(seq.token_ids, len(seq.token_ids), k, self.window, self._min_n(seq))
+        if not seq.num_placeholders:
+            return self._index(seq).lookup(seq.token_ids, len(seq.token_ids), k, self.window, self._min_n(seq))
+        # The last token is in flight: a guess of it, then the drafts after the guess.
+        return self._index(seq).lookup(seq.token_ids, len(seq.token_ids) - 1, k + 1, self.window, self._min_n(seq),
+                                       seq.num_real_tokens)[1:]
 
     def likely(self, seq: Sequence) -> bool:
         return bool(self._index(seq).lookup(seq.token_ids, seq.num_real_tokens, 1, self.window, self._min_n(seq)))
@@ -318,6 +371,8 @@ class SuffixProposer(Proposer):
     come), or else in the texts of recent sequences, of any request (agent loops and templated
     replies repeat across requests). Matches are as long as they go, not capped at n tokens."""
 
+    guesses = True
+
     def __init__(self, num_tokens: int, min_match: int = 2, cross_min_match: int = 4, window: int = 4096,
                  recent: int = 8, tail: int = 32) -> None:
         self.num_tokens = num_tokens
@@ -333,15 +388,24 @@ class SuffixProposer(Proposer):
         k = min(self.num_tokens, limit)
         if k <= 0:
             return []
-        return self._lookup(seq, k, len(seq.token_ids))
+        if not seq.num_placeholders:
+            return self._lookup(seq, k, len(seq.token_ids))
+        # The last token is in flight: a guess of it, then the drafts after the guess.
+        return self._lookup(seq, k + 1, len(seq.token_ids) - 1)[1:]
 
     def likely(self, seq: Sequence) -> bool:
         return bool(self._lookup(seq, 1, seq.num_real_tokens))
 
     def _lookup(self, seq: Sequence, k: int, length: int) -> list[int]:
-        """propose's drafts after seq's first `length` tokens."""
-        automaton = self._grown(seq, length)
-        drafts = automaton.repeat(k, self.min_match)
+        """propose's drafts after seq's first `length` tokens. The automaton takes real tokens only;
+        the drafts of a step in flight past them are matched as a tail, within it."""
+        real = min(length, seq.num_real_tokens)
+        automaton = self._grown(seq, real)
+        if real == length:
+            drafts = automaton.repeat(k, self.min_match)
+        else:
+            tail = seq.token_ids[max(0, length - self.tail):length]
+            drafts = automaton.follow(tail, k, self.min_match)
         if not drafts:
             tail = seq.token_ids[max(0, length - self.tail):length]
             drafts = next((d for other in reversed(self._recent) if other is not automaton

@@ -3,6 +3,9 @@ step), and the table and the profile print."""
 from __future__ import annotations
 
 import re
+import time
+
+import pytest
 
 from bench.host_step import stubbed_engine
 
@@ -28,9 +31,44 @@ def test_with_drafts_every_step_verifies_and_confirms_them() -> None:
     after = [len(r.sequences[0].token_ids) for r in engine.requests.values()]
     assert engine.draft_tokens_total == engine.accepted_draft_tokens_total >= 2 * 5 * 4  # 4 drafts a step, all kept
     assert min(a - b for a, b in zip(after, before)) >= 5 * 5
-    for request in engine.requests.values():
-        output = request.sequences[0].output_token_ids
+    for request in engine.requests.values():  # the drafts in flight stand in its tokens: the real ones
+        seq = request.sequences[0]
+        output = seq.token_ids[seq.num_prompt_tokens:seq.num_real_tokens]
         assert output == request.prompt_token_ids[:len(output)]
+    engine.close()
+
+
+def test_the_simulated_device_and_the_model_that_deviates_keep_outputs_exact() -> None:
+    # Where the stub model leaves its cycle, drafts are rejected; steps that go ahead of them roll
+    # back. Outputs are the same with and without going ahead, and the device's time is waited for.
+    outputs = []
+    for overlap in (False, True):
+        engine = stubbed_engine(1, method="ngram", device_us=500, deviate=0.1, overlap=overlap)
+        if overlap:
+            engine.scheduler.lookahead.min_whole = 0.0
+            engine.scheduler.lookahead.record = lambda host, device: None
+        [request] = engine.requests.values()
+        start = time.perf_counter()
+        for _ in range(30):
+            engine.step()
+        assert time.perf_counter() - start >= 25 * 500e-6  # serial forwards, each waited for once read
+        seq = request.sequences[0]
+        outputs.append(seq.token_ids[:seq.num_real_tokens])
+        assert engine.draft_tokens_total > engine.accepted_draft_tokens_total > 0
+        engine.close()
+    shorter = min(map(len, outputs))
+    assert shorter > 128 + 30 and outputs[0][:shorter] == outputs[1][:shorter]
+    assert any(a != b for a, b in zip(outputs[0][128:shorter], outputs[0][128 + 16:shorter]))  # it deviated
+
+
+def test_the_lookahead_measures_the_hosts_work_and_the_devices_step() -> None:
+    # Sequences that the stub model leaves often wait for their steps with drafts; those are timed.
+    engine = stubbed_engine(1, method="ngram", device_us=2000, deviate=0.2, overlap=True)
+    for _ in range(40):
+        engine.step()
+    lookahead = engine.scheduler.lookahead
+    assert 1.8e-3 <= lookahead.device < 4e-3 and 0 < lookahead.host < lookahead.device
+    assert lookahead.min_whole == pytest.approx(1 - lookahead.host / lookahead.device)
     engine.close()
 
 
@@ -38,6 +76,7 @@ def test_host_step_smoke_prints_a_row_a_batch_and_the_profile(run_script, capsys
     code = run_script("host_step.py", "--batches", "1", "2", "--steps", "3", "--reps", "1", "--profile", "3")
     captured = capsys.readouterr()
     assert code == 0, captured.err[-4000:]
-    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|$", captured.out, re.M)
-    assert [b for b, _, _ in rows] == ["1", "2"] and all(float(us) > 0 and float(launch) > 0 for _, us, launch in rows)
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| ([\d,]+) \|$", captured.out, re.M)
+    assert [b for b, _, _, _ in rows] == ["1", "2"]
+    assert all(float(us) > 0 and float(launch) > 0 and int(rate.replace(",", "")) > 0 for _, us, launch, rate in rows)
     assert captured.out.count("steps under cProfile") == 2

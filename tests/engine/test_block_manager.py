@@ -13,9 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.block_manager import BlockManager, block_hash
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
-from engine.speculative import Proposer
+from engine.speculative import Lookahead, Proposer
 from tests.engine.test_scheduler import Engine
 
 BS = 4  # block size everywhere in this file
@@ -343,28 +343,32 @@ class SimulatedKV(Engine):
         super().__init__(num_blocks, *args, block_manager_type=CheckedBlockManager, **kwargs)
         self.kv: dict[int, list[Slot | None]] = {i: [None] * BS for i in range(num_blocks)}
 
-    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int, list[int]]]) -> None:
+    def forward(self, out: SchedulerOutput, writes: list[tuple[ScheduledSequence, int, int]]) -> None:
         blocks = self.block_manager.blocks
         for src, dst in out.block_copies:
             assert blocks[dst].hash is None and blocks[dst].ref_count <= 1
             self.kv[dst] = list(self.kv[src])
-        for seq, pos, block_id, drafts in writes:
-            history = tuple((seq.token_ids + drafts)[: pos + 1])
+        for s, pos, block_id in writes:
+            seq = s.seq
+            history = tuple(seq.token_ids[: pos + 1])  # a step's drafts stand in its tokens until read
             # Writing into a block that the cache serves, or that a sequence with other tokens reads,
             # corrupts it. Samples forked in this step share the block with the same tokens; a
-            # sequence that finished while its last step was in flight writes into a block now free.
+            # sequence that finished while its last step was in flight writes into a block now free,
+            # and so may stale rows (launched on drafts that were then rejected), until the next step.
             assert blocks[block_id].hash is None, f"write into cached block {block_id}"
-            readers = [s for s in self.scheduler.running if block_id in s.block_table]
-            assert all(tuple(s.token_ids[: pos + 1]) == history for s in readers if s is not seq), (
+            readers = [r for r in self.scheduler.running if block_id in r.block_table]
+            assert all(tuple(r.token_ids[: pos + 1]) == history for r in readers if r is not seq), (
                 f"write into shared block {block_id}")
-            assert seq in readers or (seq.is_finished and not readers)
+            assert seq in readers or ((seq.is_finished or s.stale) and not readers)
             self.kv[block_id][pos % BS] = history
 
 
 class GuessingProposer(Proposer):
     """Drafts the simulated model's own next tokens (Engine.sample), each wrong where its seed and
     position say so: some steps accept every draft, others reject from any point, and some
-    positions have nothing to propose."""
+    positions have nothing to propose. It drafts past tokens in flight too (guesses)."""
+
+    guesses = True
 
     def __init__(self, engine: Engine, num_tokens: int) -> None:
         self.engine, self.num_tokens = engine, num_tokens
@@ -402,13 +406,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(7, 10), max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(1, 24), prefix_caching=st.sampled_from([True, True, False]),
-                overlap=st.booleans(), drafts=st.sampled_from([0, 0, 1, 3]))
+                overlap=st.booleans(), drafts=st.sampled_from([0, 0, 1, 3]),
+                min_whole=st.sampled_from([None, 0.0, 0.7]))
     def setup(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-              overlap: bool, drafts: int) -> None:
+              overlap: bool, drafts: int, min_whole: float | None) -> None:
         self.engine = SimulatedKV(num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching=prefix_caching,
                                   overlap=overlap, vocab=3)
         if drafts:  # speculation: decodes carry drafts, and the rejected ones' KV slots are rolled back
             self.engine.scheduler.proposer = GuessingProposer(self.engine, drafts)
+            if min_whole is not None:  # steps go ahead of those with drafts (all of them at 0)
+                self.engine.scheduler.lookahead = Lookahead()
+                self.engine.scheduler.lookahead.min_whole = min_whole
 
     @property
     def scheduler(self) -> Scheduler:
@@ -452,7 +460,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _step(self) -> None:
         """One engine step, its schedule checked against the policy."""
         scheduler = self.scheduler
-        landing = [seq for seq, _, _ in self.engine.in_flight or ()]  # their drafts' blocks may fill now
+        landing = [s.seq for s, _ in self.engine.in_flight or ()]  # their drafts' blocks may fill now
         self.engine.settle()
         self._remember(landing)
         running, waiting = list(scheduler.running), list(scheduler.waiting)
@@ -496,19 +504,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(scheduled.get(s) == 1 + drafts.get(s, 0) for s in decodes if s.status == SequenceStatus.RUNNING)
 
         computed = {s.seq: s.seq.num_computed_tokens for s in out.scheduled}
-        landing = [seq for seq, _, _ in self.engine.in_flight or ()]
+        landing = [s.seq for s, _ in self.engine.in_flight or ()]
         self.engine.run(out)
         self.forked = {s for s in self.forked | set(forks) if s.status == SequenceStatus.RUNNING}
         self._remember([*computed, *landing])
-        for seq, old in computed.items():
-            hashes = chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)
+        for seq, old in computed.items():  # drafts in flight are hashed once read
+            hashes = chain_hashes(seq.token_ids, min(seq.num_computed_tokens, seq.num_real_tokens) // BS)
             if self.bm.enable_prefix_caching and not seq.is_finished:  # every block the step filled is findable
                 assert all(h in self.bm.cached for h in hashes[old // BS:])
 
     def _remember(self, seqs: list[Sequence]) -> None:
-        """The tokens each computed full block's chained hash covers, for check_cache."""
+        """The tokens each computed full block of real tokens' chained hash covers, for check_cache."""
         for seq in seqs:
-            for i, h in enumerate(chain_hashes(seq.token_ids, seq.num_computed_tokens // BS)):
+            for i, h in enumerate(chain_hashes(seq.token_ids, min(seq.num_computed_tokens, seq.num_real_tokens) // BS)):
                 self.hash_history.setdefault(h, tuple(seq.token_ids[: (i + 1) * BS]))
 
     # -- invariants -----------------------------------------------------------------------------
@@ -545,11 +553,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bm.pending_copies == []  # each step's copies went out with it
         uses = Counter(b for s in self.scheduler.running for b in s.block_table)
         assert {b.block_id: b.ref_count for b in bm.blocks if b.ref_count} == dict(uses)
-        # A decode with drafts in flight holds slots for its token and drafts, counted once they are read.
-        drafting = {seq: 1 + len(drafts) for seq, _, drafts in self.engine.in_flight or () if drafts}
+        # Drafts in flight are counted computed, and rejected ones taken back when they are read.
         for s in self.scheduler.running:
             assert len(set(s.block_table)) == len(s.block_table)
-            assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens + drafting.get(s, 0))
+            assert len(s.block_table) == bm.blocks_for(s.num_computed_tokens)
 
     def check_cache(self) -> None:
         hashed = {b.hash: b.block_id for b in self.bm.blocks if b.hash is not None}

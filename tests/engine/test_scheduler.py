@@ -10,7 +10,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, derive_seed
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, derive_seed
 from engine.sequence import Request, Sequence, SequenceStatus, placeholder
 from engine.speculative import Proposer, accepted
 
@@ -26,7 +26,8 @@ class Engine:
     was scheduled: a sequence that finished is decoded once more, and its surplus token dropped.
     Without it, tokens land before the next step is scheduled, as for penalized requests. Under
     speculation (a `proposer`) they do whenever a step in flight carries drafts or the next may,
-    and each draft's position is sampled and checked (_accept)."""
+    and each draft's position is sampled and checked (_accept); with the scheduler's lookahead, a
+    step may go ahead of one with drafts, and a rejection makes its rows stale."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64, *,
                  prefix_caching: bool = True, overlap: bool = False, vocab: int = 1000,
@@ -38,8 +39,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.finished: list[str] = []  # request ids, in the order they finished
         self._ids = itertools.count()
-        # Sampling sequences, their placeholders' positions (or where their drafts start), their drafts.
-        self.in_flight: list[tuple[Sequence, int, list[int]]] | None = None
+        # Sampling sequences, and their placeholders' positions (or where their drafts start).
+        self.in_flight: list[tuple[ScheduledSequence, int]] | None = None
 
     def add(self, prompt: Iterable[int], max_tokens: int = 1, n: int = 1, seed: int = 0,
             request_id: str | None = None, eos: Iterable[int] = ()) -> Request:
@@ -65,24 +66,28 @@ class Engine:
 
     def settle(self) -> None:
         """What LLMEngine.step does before it schedules: under speculation, land the step in flight."""
-        if self.in_flight is not None and (self.scheduler.drafting() or any(d for _, _, d in self.in_flight)):
+        if self.in_flight is not None and (self.scheduler.drafting()
+                                           or any(s.drafts and not self.scheduler.goes_ahead(s) for s, _ in self.in_flight)):
             self._collect(self.in_flight)  # drafts follow real ids, and move a sequence by what is accepted
             self.in_flight = None
 
     def run(self, out: SchedulerOutput) -> None:
         """Everything LLMEngine.step does after schedule(), in its order."""
         # What the runner writes, named when the step is launched (block tables may be freed before it
-        # lands): (sequence, position, block, the drafts that follow the sequence's tokens).
-        writes = [(s.seq, pos, s.seq.block_table[pos // BS], s.drafts) for s in out.scheduled
+        # lands): (the scheduled sequence, position, block).
+        writes = [(s, pos, s.seq.block_table[pos // BS]) for s in out.scheduled
                   for pos in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)]
         launched = []
-        for row, s in enumerate(s for s in out.scheduled if s.samples):
-            launched.append((s.seq, s.seq.num_tokens, s.drafts))
-            if not s.drafts:
-                s.seq.token_ids.append(placeholder(row))
-                s.seq.num_placeholders += 1
+        row = 0
+        for s in out.scheduled:
+            if s.samples:
+                launched.append((s, s.seq.num_tokens))
+                s.seq.token_ids += s.drafts
+                s.seq.token_ids.append(placeholder(row + len(s.drafts)))
+                s.seq.num_placeholders += 1 + len(s.drafts)
+                row += 1 + len(s.drafts)
         if self.in_flight is not None:
-            self._collect(self.in_flight)
+            self._collect(self.in_flight, launched)
             self.in_flight = None
         self.forward(out, writes)
         self.scheduler.update_computed(out)
@@ -91,37 +96,49 @@ class Engine:
         else:
             self._collect(launched)
 
-    def forward(self, out: SchedulerOutput, writes: list[tuple[Sequence, int, int, list[int]]]) -> None:
-        """The step's KV writes, (sequence, position, block, drafts), after out.block_copies; its
-        inputs are all real ids by now. Nothing to do without a model."""
+    def forward(self, out: SchedulerOutput, writes: list[tuple[ScheduledSequence, int, int]]) -> None:
+        """The step's KV writes, (scheduled sequence, position, block), after out.block_copies; its
+        inputs are all real ids by now, but for stale rows. Nothing to do without a model."""
 
     def sample(self, seq: Sequence, position: int) -> int:
         return (seq.seed + 7 * position) % self.vocab
 
-    def _collect(self, launched: list[tuple[Sequence, int, list[int]]]) -> None:
-        for seq, position, drafts in launched:
-            if seq.is_finished:  # aborted, or done in the step before: this token is surplus
+    def _collect(self, launched: list[tuple[ScheduledSequence, int]],
+                 after: list[tuple[ScheduledSequence, int]] | None = None) -> None:
+        """Read a step (`after`: the one launched behind it)."""
+        for s, position in launched:
+            seq = s.seq
+            if seq.is_finished or s.stale:  # aborted, done or rolled back in the step before: surplus
                 continue
-            if drafts:
-                self._accept(seq, position, drafts)
+            if s.drafts:
+                self._accept(s, position, after)
             else:
                 seq.token_ids[position] = self.sample(seq, position)
                 seq.num_placeholders -= 1
                 self._append(seq, position)
 
-    def _accept(self, seq: Sequence, position: int, drafts: list[int]) -> None:
-        sampled = [self.sample(seq, position + i) for i in range(len(drafts) + 1)]
-        confirmed = accepted(drafts, sampled)
-        seq.drafting.record(len(drafts), confirmed, self.scheduler.proposer.num_tokens)
-        old = seq.num_computed_tokens
-        for token_id in sampled[: confirmed + 1]:
-            seq.token_ids.append(token_id)
-            self._append(seq, len(seq.token_ids) - 1)
+    def _accept(self, s: ScheduledSequence, start: int, after: list[tuple[ScheduledSequence, int]] | None) -> None:
+        seq, k = s.seq, len(s.drafts)
+        sampled = [self.sample(seq, start + i) for i in range(k + 1)]
+        confirmed = accepted(s.drafts, sampled)
+        seq.drafting.record(k, confirmed, self.scheduler.proposer.num_tokens)
+        if confirmed == k:
+            seq.token_ids[start + k] = sampled[k]
+            seq.num_placeholders -= k + 1
+        else:
+            del seq.token_ids[start + confirmed:]
+            seq.token_ids.append(sampled[confirmed])
+            seq.num_placeholders = 0
+            seq.num_computed_tokens = min(seq.num_computed_tokens, start + confirmed)
+            self.block_manager.trim(seq)
+            for t, _ in after or ():
+                t.stale = t.stale or t.seq is seq
+        for i in range(confirmed + 1):
+            self._append(seq, start + i)
             if seq.is_finished:
+                del seq.token_ids[start + i + 1:]
                 return
-        seq.num_computed_tokens = old + 1 + confirmed
-        self.block_manager.cache_full_blocks(seq, old)
-        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq, start - 1)
 
     def _append(self, seq: Sequence, position: int) -> None:
         request, token_id = seq.request, seq.token_ids[position]

@@ -17,8 +17,11 @@ from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer
+from engine.block_manager import BlockManager
+from engine.scheduler import ScheduledSequence, Scheduler
 from engine.speculative import (MAX_PAUSE, MAX_SKIP, MIN_PAUSE, PATIENCE, PROBE_STEPS, WARM_STEPS, DraftState,
-                                NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted, max_batch)
+                                Lookahead, NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted,
+                                max_batch)
 from tests.engine.test_llm_engine import BLOCK_BYTES, make_engine
 
 # Text that repeats itself, so the prompt and the output hold what the next tokens will be.
@@ -150,6 +153,70 @@ def test_suffix_drafts_come_from_the_sequence_then_from_recent_ones() -> None:
     assert proposer.propose(sequence([7, 7, 3, 50, 51, 52, 53]), 8) == []  # no memory of the others
 
 
+def in_flight(seq: Sequence, drafts: list[int]) -> None:
+    """seq as a step with `drafts` leaves it when launched: the drafts stand in its tokens, its last
+    sample a placeholder (LLMEngine._launch)."""
+    seq.token_ids += [*drafts, placeholder(len(drafts))]
+    seq.num_placeholders += len(drafts) + 1
+
+
+@pytest.mark.parametrize("proposer", [NgramProposer(num_tokens=3), SuffixProposer(num_tokens=3)],
+                         ids=["ngram", "suffix"])
+def test_drafts_past_a_step_in_flight_follow_a_guess_of_its_last_sample(proposer) -> None:
+    text = [60, 61, 62, 63, 64, 65, 66, 67, 68]
+    seq = sequence([1, 2, *text, 9, 60, 61])
+    assert proposer.propose(seq, 8) == [62, 63, 64]
+    in_flight(seq, [62, 63])  # a placeholder for 64, guessed: the drafts follow it
+    assert proposer.propose(seq, 8) == [65, 66, 67]
+    assert proposer.propose(seq, 2) == [65, 66]
+    # The drafts were rejected: they are gone, and the index or automaton took in real tokens only
+    # (it would have found "61 62" where the drafts were, now followed by other tokens).
+    del seq.token_ids[-3:]
+    seq.num_placeholders = 0
+    seq.token_ids += [5, 5]
+    assert proposer.propose(seq, 8) == []
+    seq.token_ids += [61, 62]
+    assert proposer.propose(seq, 8) == [63, 64, 65]
+
+
+def test_the_lookahead_lets_sequences_go_ahead_by_what_a_stale_step_would_cost() -> None:
+    lookahead = Lookahead(weight=0.5)
+    lookahead.record(host=0.3e-3, device=None)
+    assert lookahead.min_whole == 1.0
+    lookahead.record(host=0.3e-3, device=1.0e-3)  # going ahead saves 0.3 ms; a stale step costs 0.7
+    assert lookahead.min_whole == pytest.approx(0.7)
+    lookahead.record(host=0.1e-3, device=1.0e-3)  # moving averages: 0.2 of 1.0
+    assert lookahead.min_whole == pytest.approx(0.8)
+    lookahead.record(host=5e-3, device=1.0e-3)  # a host slower than the device: always ahead
+    assert lookahead.min_whole == 0.0
+
+
+def test_a_step_goes_ahead_of_drafts_where_its_sequence_guesses_and_is_often_confirmed_whole() -> None:
+    lookahead = Lookahead()
+    assert lookahead.min_whole == 1.0  # unmeasured: nothing goes ahead
+    lookahead.min_whole = 0.7
+    scheduler = Scheduler(BlockManager(8, 16), 4, 64, NgramProposer(num_tokens=4), lookahead=lookahead)
+    seq = sequence([1, 2, 3])
+    seq.drafting = DraftState(length=4)
+    step = ScheduledSequence(seq, 3, samples=True, drafts=[4, 5])
+    assert seq.drafting.odds_whole == 0.5 and not scheduler.goes_ahead(step)  # no record yet: even odds
+    for _ in range(3):
+        seq.drafting.record(drafted=4, confirmed=4, most=4)
+    assert seq.drafting.odds_whole == pytest.approx(3.71 / 4.71) and scheduler.goes_ahead(step)
+    seq.drafting.record(drafted=4, confirmed=1, most=4)  # the newest weighs most
+    assert seq.drafting.odds_whole == pytest.approx(3.439 / 5.439) and not scheduler.goes_ahead(step)
+    for _ in range(50):
+        seq.drafting.record(drafted=4, confirmed=4, most=4)
+    assert seq.drafting.odds_whole < 11 / 12  # a record of 10 proposals at most
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(structured=StructuredOutput("regex", "a+"))):
+        other = Sequence(Request("p", [1, 2, 3], params, 16, frozenset()), 0, [1, 2, 3], 0)
+        other.drafting = DraftState(length=4)
+        assert not scheduler.goes_ahead(ScheduledSequence(other, 3, samples=True, drafts=[4, 5]))
+        assert not scheduler.guesses(other)  # their drafts need the real ids: they wait for them
+    assert Scheduler(BlockManager(8, 16), 4, 64, SuffixProposer(4), lookahead=Lookahead()).lookahead is not None
+    assert Scheduler(BlockManager(8, 16), 4, 64, None, lookahead=Lookahead()).lookahead is None  # nothing drafts
+
+
 def test_drafts_are_accepted_up_to_the_first_that_the_target_did_not_sample() -> None:
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
     assert accepted([4, 5, 6], [4, 0, 6, 7]) == 1
@@ -241,13 +308,43 @@ def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
                                                        speculative_gate=False)
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix"])
+@pytest.fixture(scope="module", params=["ngram", "suffix", "ngram-overlap", "suffix-overlap"])
 def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEngine]:
-    """The embedded model without speculation, and with each draft source."""
+    """The embedded model without speculation, and with each draft source, steps with drafts waiting
+    for the step in flight or going ahead of it (overlap)."""
     if request.param == "ngram":
         return engines
-    return engines[0], make_engine(default_model_dir, speculative_method=request.param, num_speculative_tokens=4,
-                                   speculative_max_batch=8, speculative_gate=False)
+    method, _, overlap = request.param.partition("-")
+    spec = make_engine(default_model_dir, speculative_method=method, num_speculative_tokens=4, speculative_max_batch=8,
+                       speculative_gate=False, speculative_overlap=bool(overlap))
+    if overlap:
+        always_ahead(spec)
+    return engines[0], spec
+
+
+def always_ahead(engine: LLMEngine) -> None:
+    """Every sequence goes ahead of its steps with drafts, whatever its luck: the most rollbacks (on
+    a CPU the measured lookahead lets few go)."""
+    engine.scheduler.lookahead.record = lambda host, device: None
+    engine.scheduler.lookahead.min_whole = 0.0
+
+
+@pytest.fixture
+def rollbacks(monkeypatch) -> dict[str, int]:
+    """Counts of steps with drafts read while a step launched on them was in flight, and of those
+    whose drafts the target rejected in part, which made that step's rows stale."""
+    counts = {"ahead": 0, "stale": 0}
+    accept = LLMEngine._accept
+
+    def counted(self, s, start, sampled, logprobs, first, launched):
+        taken = accept(self, s, start, sampled, logprobs, first, launched)
+        if launched is not None and any(t.seq is s.seq for t in launched.sampling):
+            counts["ahead"] += 1
+            counts["stale"] += any(t.stale for t in launched.sampling if t.seq is s.seq)
+        return taken
+
+    monkeypatch.setattr(LLMEngine, "_accept", counted)
+    return counts
 
 
 def assert_same(a: Completion, b: Completion) -> None:
@@ -283,7 +380,7 @@ def plain_outputs(engines) -> list[Completion]:
     return engines[0].generate(PROMPTS, PARAMS)
 
 
-def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, plain_outputs) -> None:
+def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, plain_outputs, rollbacks) -> None:
     _, spec = spec_engines
     before = spec.stats()
     expected, got = plain_outputs, spec.generate(PROMPTS, PARAMS)
@@ -292,16 +389,34 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
     after = spec.stats()
     assert after.draft_tokens > before.draft_tokens
     assert after.accepted_draft_tokens > before.accepted_draft_tokens  # speculation really ran, and paid
+    if spec.scheduler.lookahead is not None:  # steps went ahead of steps with drafts, and some were rolled back
+        assert rollbacks["ahead"] > rollbacks["stale"] > 0, rollbacks
+    else:
+        assert rollbacks["ahead"] == 0
     assert got[3].samples[0].finish_reason == "stop"  # the stop string ended a step of drafts
     emitted = sum(len(sample.token_ids) for c in got for sample in c.samples.values())
     assert after.generation_tokens - before.generation_tokens == emitted
     assert spec.block_manager.num_used_blocks == 0
 
 
-def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines) -> None:
+def test_steps_go_ahead_of_drafts_on_a_gpu_by_default_and_where_asked() -> None:
+    def lookahead(**kw) -> Lookahead | None:
+        engine = LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", kv_cache_memory="2MiB", **kw))
+        engine.close()
+        return engine.scheduler.lookahead
+
+    assert lookahead(speculative_method="ngram") is None  # on a CPU the host waits out every forward anyway
+    assert isinstance(lookahead(speculative_method="suffix", speculative_overlap=True), Lookahead)
+    assert lookahead(speculative_overlap=True) is None  # nothing drafts
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines, overlap) -> None:
     base, _ = engines
     tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
-                        speculative_max_batch=4, speculative_gate=False)
+                        speculative_max_batch=4, speculative_gate=False, speculative_overlap=overlap)
+    if overlap:
+        always_ahead(tight)
     prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     expected = base.generate(prompts, greedy)

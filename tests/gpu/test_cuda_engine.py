@@ -103,12 +103,15 @@ def test_prefill_graphs_match_eager_steps() -> None:
     assert graphed.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-ahead", "draft"])
 def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
     """Verify steps replay the decode graphs, a row per token (and the draft model runs eagerly on
     the same GPU): greedy and seeded outputs are those without speculation, and no block is left
     held. float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do;
-    decode attention reads the drafts' keys only after the kernel that writes them."""
+    decode attention reads the drafts' keys only after the kernel that writes them. "ahead": every
+    step goes ahead of the step with drafts in flight, its first rows placeholders for that step's
+    samples, and is stale where they were rejected."""
+    method, _, ahead = method.partition("-")
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() * 3 for n in (5, 20, 60)]  # text that repeats
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -118,7 +121,10 @@ def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
     draft = "random:tiny-llama3-draft" if method == "draft" else None
     spec = LLMEngine(EngineConfig(**config, speculative_method=method, num_speculative_tokens=4,
                                   speculative_max_batch=4, speculative_gate=False,
-                                  speculative_model=draft))
+                                  speculative_model=draft, speculative_overlap=bool(ahead)))
+    if ahead:
+        spec.scheduler.lookahead.record = lambda host, device: None
+        spec.scheduler.lookahead.min_whole = 0.0
     plain = LLMEngine(EngineConfig(**config))
     replays = []
     for graph in spec.runner.graphs.values():
