@@ -96,9 +96,9 @@ class SpeedGate:
     engine's decode steps timed with drafts and without. Below min_batch (a sequence alone) it is
     always open: there each sequence's DraftState backs off by itself, and pauses judged on a
     single sequence's runs of acceptance cost more than they saved (bench/README.md). A step that
-    drafts waits for the step before it (drafts follow real ids), so neither the host's work nor the
-    verify step's extra rows overlap anything; on a fast GPU with a small model that costs more than
-    the accepted drafts bring (bench/README.md).
+    drafts mostly waits for the step before it (drafts follow real ids; Lookahead lets some go
+    ahead), so the host's work overlaps little and the verify step's extra rows nothing; on a fast
+    GPU with a small model that costs more than the accepted drafts bring (bench/README.md).
     A batch size first measures WARM_STEPS steps without drafts; then after every PROBE_STEPS steps
     with drafts, unless their tokens over their time ran MIN_GAIN faster, drafting pauses for
     MIN_PAUSE schedules, doubling up to MAX_PAUSE while it keeps losing. A verdict sums its steps
