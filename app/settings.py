@@ -32,7 +32,7 @@ _ENGINE_HELP = {
     "num_speculative_tokens": "most draft tokens a sequence carries in one step (with --speculative-method)",
     "speculative_max_batch": "running sequences up to which steps carry drafts (default: 16 on a GPU, 1 on CPU, where verifying drafts beside a batch costs more than it saves)",
     "speculative_gate": "time decode steps with drafts and without, per batch size of 2 and more, and pause drafting where it is slower (true/false, default true; a sequence alone always may draft, backing off by itself)",
-    "speculative_overlap": "launch a step before the step with drafts in flight is read, as if its drafts were all accepted, for each sequence whose drafts are often all accepted, by as much as the host's wait it saves is worth against a stale step (true/false; default: true on a GPU, false on CPU; ngram and suffix only)",
+    "speculative_overlap": "launch a step before the step with drafts in flight is read, as if its drafts were all accepted, where the measured time that saves outweighs the steps that turn out stale (true/false, default false; ngram and suffix only)",
 }
 
 

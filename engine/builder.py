@@ -117,13 +117,6 @@ def draft_batch(config: EngineConfig, device: torch.device) -> int:
     return config.speculative_max_batch or max_batch(device.type)
 
 
-def draft_overlap(config: EngineConfig, device: torch.device) -> bool:
-    """Whether steps with drafts may launch before the step in flight is read (--speculative-overlap,
-    else on a GPU only: on a CPU the host waits for each forward anyway, and a stale step costs a
-    whole forward there)."""
-    return config.speculative_overlap if config.speculative_overlap is not None else device.type == "cuda"
-
-
 def decode_rows(config: EngineConfig, device: torch.device) -> int:
     """The most decode rows a step has: a row a sequence, and with speculation a verify step's row a token."""
     if config.speculative_method is None:

@@ -50,9 +50,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # most draft tokens a sequence carries in one step
     speculative_max_batch: int | None = None  # running sequences up to which steps draft; None: by device
     speculative_gate: bool = True  # pause drafting beside a batch where it measures slower (speculative.SpeedGate)
-    # Launch steps with drafts before the step in flight is read, as if its drafts were all accepted
-    # (LLMEngine.step); None: on a GPU.
-    speculative_overlap: bool | None = None
+    # Launch steps before the step with drafts in flight is read, as if its drafts were all accepted
+    # (LLMEngine.step, speculative.Lookahead). Off until measured on a GPU (docs/performance.md).
+    speculative_overlap: bool = False
 
     def torch_device(self) -> torch.device:
         import torch

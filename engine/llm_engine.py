@@ -26,8 +26,7 @@ from engine.speculative import METHODS, Lookahead, NgramProposer, Proposer, Spee
 from engine.grammar_worker import Grammar, GrammarWorker, worker_processes
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Chat, IncrementalDetokenizer, Tokenizer
-from engine.builder import (build_runner, context_length, draft_batch, draft_overlap, kv_cache_blocks, load_draft,
-                            load_shard, model_source)
+from engine.builder import build_runner, context_length, draft_batch, kv_cache_blocks, load_draft, load_shard, model_source
 from engine.draft_model import DraftModelProposer
 from engine.workers import start_tensor_parallel
 
@@ -50,6 +49,8 @@ class _InFlight:
     prompt: tuple[SamplerOutput, list[tuple[Request, int]]] | None = None
     decode_only: bool = False  # every sequence decodes (some with drafts): a step the speed gate times
     rows: int = 0  # sampled ids: a row a sample and a draft
+    waited: bool = False  # launched after the step before it was read
+    ahead: bool = False  # launched before the step before it, which carried drafts, was read
 
 
 # A sample's tokens read from a step and put in place, whose text and outputs are still to make
@@ -115,8 +116,7 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
                                        self._proposer(draft, num_blocks), draft_batch(config, device),
                                        SpeedGate() if config.speculative_method and config.speculative_gate else None,
-                                       Lookahead() if config.speculative_method and draft_overlap(config, device)
-                                       else None)
+                                       Lookahead() if config.speculative_method and config.speculative_overlap else None)
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)
@@ -301,8 +301,8 @@ class LLMEngine:
         samples it just before its own forward launches behind it.
 
         A step with drafts moves each sequence by as many tokens as the target accepts, and drafts
-        follow the real ids. So the step after it waits for it, unless every sequence in it goes
-        ahead (Scheduler.goes_ahead, with --speculative-overlap): then the next step assumes its
+        follow the real ids. So the step after it waits for it, unless it goes ahead
+        (Scheduler.goes_ahead, with --speculative-overlap): then the next step assumes its
         drafts accepted, its last sample a placeholder, and drafts past a guess of that sample
         (Proposer.guesses). A sequence whose drafts the target then rejects in part rolls back
         (_accept), and its rows in the step launched on them are stale: it loses that step.
@@ -312,10 +312,10 @@ class LLMEngine:
         drafting = early = ahead = False
         if prev is not None:
             drafting = self.scheduler.drafting()
-            early = drafting or any(s.seq.request.params.penalized or (s.drafts and not self.scheduler.goes_ahead(s))
-                                    for s in prev.sampling)
-            # Launched on drafts in flight.
-            ahead = not early and self.scheduler.lookahead is not None and any(s.drafts for s in prev.sampling)
+            early = drafting or any(s.seq.request.params.penalized for s in prev.sampling)
+            if not early and self.scheduler.proposer is not None and any(s.drafts for s in prev.sampling):
+                early = not self.scheduler.goes_ahead(prev.sampling)
+                ahead = not early  # launched on drafts in flight
         reads = None
         if early:
             # Penalties read the real history, and drafts follow it and move each sequence by as many
@@ -332,6 +332,8 @@ class LLMEngine:
         launched = self._launch(out, step, prev) if step is not None else None
         if self.scheduler.lookahead is not None:
             self._time_wait(early, launched)
+            if launched is not None:
+                launched.waited, launched.ahead = early, ahead
         if reads is not None:
             outputs += self._emit(reads)
         if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
@@ -342,21 +344,34 @@ class LLMEngine:
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
-        if read is not None and self.scheduler.gate is not None:  # timed where a step was read and one launched
-            self._time_read(read, outputs, drafting or ahead, read_at,
-                            timed=launched is not None and (drafting or ahead or not early))
+        if read is not None:  # timed where a step was read and one launched
+            seconds, self._last_read = read_at - self._last_read, read_at
+            if self.scheduler.gate is not None:
+                self._time_read(read, outputs, drafting or ahead, seconds,
+                                timed=launched is not None and (drafting or ahead or not early))
+            if self.scheduler.lookahead is not None and launched is not None:
+                self._time_ahead(read, outputs, seconds)
         return outputs
 
-    def _time_read(self, read: _InFlight, outputs: list[RequestOutput], drafting: bool, now: float, timed: bool
+    def _time_read(self, read: _InFlight, outputs: list[RequestOutput], drafting: bool, seconds: float, timed: bool
                    ) -> None:
         """Tell the speed gate how fast decode steps go with drafts (each waiting for the one before,
         or launched ahead of it) and without (overlapped): the tokens of the step just read over the
         time since the one before it was read. A step that waited but found nothing to draft is not
         timed: sequences with nothing to propose back off by themselves (speculative.DraftState)."""
-        seconds, self._last_read = now - self._last_read, now
         if timed and read.decode_only and read.sampling and drafting == any(s.drafts for s in read.sampling):
             tokens = sum(len(delta.token_ids) for output in outputs for delta in output.deltas)
             self.scheduler.gate.record(drafting, len(read.sampling), tokens, seconds)
+
+    def _time_ahead(self, read: _InFlight, outputs: list[RequestOutput], seconds: float) -> None:
+        """Tell the lookahead's gate how fast decode steps go that were launched ahead of a step with
+        drafts (stale rows emit nothing) and steps with drafts that waited for the step before."""
+        gate = self.scheduler.lookahead.gate
+        if gate is None or not read.decode_only or not read.sampling:
+            return
+        if read.ahead or (read.waited and any(s.drafts for s in read.sampling)):
+            tokens = sum(len(delta.token_ids) for output in outputs for delta in output.deltas)
+            gate.record(read.ahead, len(read.sampling), tokens, seconds)
 
     def _time_wait(self, early: bool, launched: _InFlight | None) -> None:
         """Tell the lookahead what a step with drafts that waited for the one before costs: the host's

@@ -159,12 +159,24 @@ class Scheduler:
         params = seq.request.params
         return self.lookahead is not None and not params.penalized and params.structured is None
 
-    def goes_ahead(self, s: ScheduledSequence) -> bool:
-        """Whether the step after s's (in flight, with drafts) may be launched before s's is read. A
-        step with drafts moves s by as many tokens as the target accepts; the next one assumes all
-        of them, and if fewer are, s's rows in it are stale. So s goes ahead only if it guesses and
-        its proposals are confirmed whole often enough (Lookahead)."""
-        return self.guesses(s.seq) and s.seq.drafting.odds_whole >= self.lookahead.min_whole
+    def goes_ahead(self, in_flight: list[ScheduledSequence]) -> bool:
+        """Whether the next step may be launched before the step in flight, which carries drafts, is
+        read. A step with drafts moves each sequence by as many tokens as the target accepts; the
+        next one assumes all of them, and where fewer are, that sequence's rows in it are stale. So
+        only if every sequence with drafts guesses, and they are confirmed whole often enough for
+        the time it saves (Lookahead), and going ahead is not paused at this batch size."""
+        lookahead = self.lookahead
+        if lookahead is None or (lookahead.gate is not None and not lookahead.gate.tick(len(in_flight))):
+            return False
+        progress = 0.0
+        for s in in_flight:
+            if not s.drafts or s.stale or s.seq.is_finished:  # the next step does not hang on these
+                progress += 1.0
+            elif not self.guesses(s.seq):
+                return False
+            else:
+                progress += 1.0 / (2.0 - s.seq.drafting.odds_whole)
+        return progress >= len(in_flight) * lookahead.min_progress
 
     def _draft_limits(self, running: list[Sequence]) -> dict[Sequence, int]:
         """The decodes that may draft this step, each with its most drafts (before the step's token

@@ -73,8 +73,8 @@ class DraftState:
     def odds_whole(self) -> float:
         """The chance that its next proposal is confirmed whole: its recent record, from even odds
         (Laplace's rule of succession). The record weighs 10 proposals at most, so the odds stay
-        below 11/12: no sequence goes ahead where a stale step costs more than 11 times what going
-        ahead saves (Lookahead)."""
+        below 11/12: nothing goes ahead where the host's work is under a twelfth of the device's
+        step (Lookahead)."""
         return (self.whole + 1) / (self.proposals + 2)
 
 
@@ -103,7 +103,8 @@ class SpeedGate:
     with drafts, unless their tokens over their time ran MIN_GAIN faster, drafting pauses for
     MIN_PAUSE schedules, doubling up to MAX_PAUSE while it keeps losing. A verdict sums its steps
     rather than averaging their rates: acceptance comes in runs, and a few steps of novel text alone
-    would pause drafts through the copying that follows."""
+    would pause drafts through the copying that follows. Lookahead keeps one of its own, which
+    times steps that go ahead (on trial, as drafting is here) against steps with drafts that wait."""
 
     def __init__(self, weight: float = 0.25, min_batch: int = 2) -> None:
         self.weight = weight  # of the newest step in the moving averages
@@ -130,12 +131,13 @@ class SpeedGate:
             return False
         return pace.plain_steps >= WARM_STEPS
 
-    def record(self, drafting: bool, batch: int, tokens: int, seconds: float) -> None:
-        """A decode step of `batch` sequences read: `tokens` emitted, `seconds` since the step read before it."""
+    def record(self, trial: bool, batch: int, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` sequences read, with drafts (on trial) or without: `tokens`
+        emitted, `seconds` since the step read before it."""
         if batch < self.min_batch:
             return
         pace = self._pace(batch)
-        if not drafting:
+        if not trial:
             rate = tokens / batch / max(seconds, 1e-9)
             pace.plain = rate if not pace.plain_steps else pace.plain + self.weight * (rate - pace.plain)
             pace.plain_steps += 1
@@ -154,18 +156,25 @@ class SpeedGate:
 
 class Lookahead:
     """When a step may go ahead of a step with drafts in flight (--speculative-overlap): launched
-    before that step is read, as if its drafts were all confirmed. Going ahead saves the host's
-    work between reading a step and launching the next (`host`); where the drafts are not all
-    confirmed, the step launched on them is stale for that sequence, which loses a step's device
-    time less that work (`device` - `host`). So a sequence goes ahead while the odds that its
-    proposal in flight is confirmed whole (DraftState.odds_whole) are at least min_whole = 1 - host
-    / device, both measured on steps that waited (moving averages). Until they are, none does."""
+    before that step is read, as if its drafts were all confirmed. A sequence whose drafts were not
+    is stale in it and loses that step, but never two in a row (the next restarts from its real
+    tokens): with odds p that its proposals are confirmed whole (DraftState.odds_whole) it moves in
+    1 / (2 - p) of the steps. Going ahead makes each step shorter by the host's work between reading
+    a step and launching the next: max(`device`, `host`) long instead of `device` + `host`. So a
+    step goes ahead while its sequences move on average (1 for those without drafts) in at least
+    min_progress = max(device, host) / (device + host) of the steps, both measured on steps that
+    waited (moving averages).
+    Until they are, none goes ahead.
+    That account leaves out what guessing costs (a step launched ahead drafts past a guess of the
+    last sample in flight), so a `gate` times the steps that went ahead against those that waited,
+    by batch size, and pauses going ahead where it measures slower (as SpeedGate does drafting)."""
 
     def __init__(self, weight: float = 0.25) -> None:
         self.weight = weight  # of the newest step in the moving averages
         self.host = 0.0  # seconds from a step's ids landing on the host to the next launch
         self.device = 0.0  # seconds a step with drafts runs on the device
-        self.min_whole = 1.0
+        self.min_progress = 1.0
+        self.gate: SpeedGate | None = SpeedGate(weight, min_batch=1)  # None: ungated (tests)
 
     def record(self, host: float, device: float | None) -> None:
         """A step with drafts that waited for the one before: its host work on the critical path,
@@ -173,8 +182,8 @@ class Lookahead:
         self.host = host if not self.host else self.host + self.weight * (host - self.host)
         if device is not None:
             self.device = device if not self.device else self.device + self.weight * (device - self.device)
-        if self.device:
-            self.min_whole = max(0.0, 1.0 - self.host / self.device)
+        if self.device:  # a step launched ahead still waits for the host's work where that is longer
+            self.min_progress = max(self.device, self.host) / (self.device + self.host)
 
 
 class Proposer:

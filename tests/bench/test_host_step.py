@@ -3,6 +3,7 @@ step), and the table and the profile print."""
 from __future__ import annotations
 
 import re
+import statistics
 import time
 
 import pytest
@@ -45,7 +46,8 @@ def test_the_simulated_device_and_the_model_that_deviates_keep_outputs_exact() -
     for overlap in (False, True):
         engine = stubbed_engine(1, method="ngram", device_us=500, deviate=0.1, overlap=overlap)
         if overlap:
-            engine.scheduler.lookahead.min_whole = 0.0
+            engine.scheduler.lookahead.min_progress = 0.0
+            engine.scheduler.lookahead.gate = None
             engine.scheduler.lookahead.record = lambda host, device: None
         [request] = engine.requests.values()
         start = time.perf_counter()
@@ -68,7 +70,24 @@ def test_the_lookahead_measures_the_hosts_work_and_the_devices_step() -> None:
         engine.step()
     lookahead = engine.scheduler.lookahead
     assert 1.8e-3 <= lookahead.device < 4e-3 and 0 < lookahead.host < lookahead.device
-    assert lookahead.min_whole == pytest.approx(1 - lookahead.host / lookahead.device)
+    assert lookahead.min_progress == pytest.approx(lookahead.device / (lookahead.device + lookahead.host))  # host < device
+    engine.close()
+
+
+def test_the_lookaheads_gate_times_steps_that_went_ahead_and_steps_that_waited() -> None:
+    engine = stubbed_engine(1, method="ngram", device_us=300, deviate=0.02, overlap=True)
+    lookahead = engine.scheduler.lookahead
+    recorded = []
+    record = lookahead.gate.record
+    lookahead.gate.record = lambda trial, batch, tokens, seconds: (recorded.append((trial, tokens, seconds)),
+                                                                  record(trial, batch, tokens, seconds))
+    for _ in range(100):
+        engine.step()
+    went, waited = [r for r in recorded if r[0]], [r for r in recorded if not r[0]]
+    assert len(went) >= 4 and len(waited) >= 4
+    # Each step is a serial forward of 300 µs: one that waited also took the host's work before it.
+    assert min(s for _, _, s in waited) > 300e-6
+    assert statistics.median(s for _, _, s in went) < statistics.median(s for _, _, s in waited)
     engine.close()
 
 

@@ -407,16 +407,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(7, 10), max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(1, 24), prefix_caching=st.sampled_from([True, True, False]),
                 overlap=st.booleans(), drafts=st.sampled_from([0, 0, 1, 3]),
-                min_whole=st.sampled_from([None, 0.0, 0.7]))
+                min_progress=st.sampled_from([None, 0.0, 0.8]))
     def setup(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-              overlap: bool, drafts: int, min_whole: float | None) -> None:
+              overlap: bool, drafts: int, min_progress: float | None) -> None:
         self.engine = SimulatedKV(num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching=prefix_caching,
                                   overlap=overlap, vocab=3)
         if drafts:  # speculation: decodes carry drafts, and the rejected ones' KV slots are rolled back
             self.engine.scheduler.proposer = GuessingProposer(self.engine, drafts)
-            if min_whole is not None:  # steps go ahead of those with drafts (all of them at 0)
+            if min_progress is not None:  # steps go ahead of those with drafts (all of them at 0)
                 self.engine.scheduler.lookahead = Lookahead()
-                self.engine.scheduler.lookahead.min_whole = min_whole
+                self.engine.scheduler.lookahead.min_progress = min_progress
+                self.engine.scheduler.lookahead.gate = None
 
     @property
     def scheduler(self) -> Scheduler:

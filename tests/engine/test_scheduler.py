@@ -66,8 +66,9 @@ class Engine:
 
     def settle(self) -> None:
         """What LLMEngine.step does before it schedules: under speculation, land the step in flight."""
-        if self.in_flight is not None and (self.scheduler.drafting()
-                                           or any(s.drafts and not self.scheduler.goes_ahead(s) for s, _ in self.in_flight)):
+        in_flight = [s for s, _ in self.in_flight or ()]
+        if self.in_flight is not None and (self.scheduler.drafting() or (
+                any(s.drafts for s in in_flight) and not self.scheduler.goes_ahead(in_flight))):
             self._collect(self.in_flight)  # drafts follow real ids, and move a sequence by what is accepted
             self.in_flight = None
 

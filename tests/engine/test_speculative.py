@@ -179,40 +179,55 @@ def test_drafts_past_a_step_in_flight_follow_a_guess_of_its_last_sample(proposer
     assert proposer.propose(seq, 8) == [63, 64, 65]
 
 
-def test_the_lookahead_lets_sequences_go_ahead_by_what_a_stale_step_would_cost() -> None:
+def test_the_lookahead_asks_for_the_progress_that_the_time_it_saves_is_worth() -> None:
     lookahead = Lookahead(weight=0.5)
     lookahead.record(host=0.3e-3, device=None)
-    assert lookahead.min_whole == 1.0
-    lookahead.record(host=0.3e-3, device=1.0e-3)  # going ahead saves 0.3 ms; a stale step costs 0.7
-    assert lookahead.min_whole == pytest.approx(0.7)
+    assert lookahead.min_progress == 1.0  # unmeasured: nothing goes ahead
+    lookahead.record(host=0.3e-3, device=1.0e-3)  # steps of 1.0 ms instead of 1.3
+    assert lookahead.min_progress == pytest.approx(1 / 1.3)
     lookahead.record(host=0.1e-3, device=1.0e-3)  # moving averages: 0.2 of 1.0
-    assert lookahead.min_whole == pytest.approx(0.8)
-    lookahead.record(host=5e-3, device=1.0e-3)  # a host slower than the device: always ahead
-    assert lookahead.min_whole == 0.0
+    assert lookahead.min_progress == pytest.approx(1 / 1.2)
+    lookahead.record(host=5e-3, device=1.0e-3)  # a host slower than the device still bounds the step
+    assert lookahead.min_progress == pytest.approx(2.6 / 3.6)
 
 
-def test_a_step_goes_ahead_of_drafts_where_its_sequence_guesses_and_is_often_confirmed_whole() -> None:
-    lookahead = Lookahead()
-    assert lookahead.min_whole == 1.0  # unmeasured: nothing goes ahead
-    lookahead.min_whole = 0.7
-    scheduler = Scheduler(BlockManager(8, 16), 4, 64, NgramProposer(num_tokens=4), lookahead=lookahead)
-    seq = sequence([1, 2, 3])
+def drafting(params: SamplingParams | None = None, drafts: tuple[int, ...] = (4, 5)) -> ScheduledSequence:
+    """A sequence's step in flight, with drafts (none: a plain decode)."""
+    seq = Sequence(Request("r", [1, 2, 3], params or SamplingParams(), 16, frozenset()), 0, [1, 2, 3], 0)
     seq.drafting = DraftState(length=4)
-    step = ScheduledSequence(seq, 3, samples=True, drafts=[4, 5])
-    assert seq.drafting.odds_whole == 0.5 and not scheduler.goes_ahead(step)  # no record yet: even odds
+    return ScheduledSequence(seq, 1 + len(drafts), samples=True, drafts=list(drafts))
+
+
+def test_a_step_goes_ahead_of_drafts_that_are_confirmed_whole_often_enough() -> None:
+    lookahead = Lookahead()
+    lookahead.min_progress = 1 / 1.3  # the host's work is 0.3 of the device's step
+    scheduler = Scheduler(BlockManager(8, 16), 4, 64, NgramProposer(num_tokens=4), lookahead=lookahead)
+    step = drafting()
+    state = step.seq.drafting
     for _ in range(3):
-        seq.drafting.record(drafted=4, confirmed=4, most=4)
-    assert seq.drafting.odds_whole == pytest.approx(3.71 / 4.71) and scheduler.goes_ahead(step)
-    seq.drafting.record(drafted=4, confirmed=1, most=4)  # the newest weighs most
-    assert seq.drafting.odds_whole == pytest.approx(3.439 / 5.439) and not scheduler.goes_ahead(step)
+        state.record(drafted=4, confirmed=4, most=4)
+    assert not scheduler.goes_ahead([step])  # its gate has not timed steps that waited yet
+    for _ in range(WARM_STEPS):
+        lookahead.gate.record(False, 1, 5, 1e-3)
+    assert scheduler.goes_ahead([step])
+    lookahead.gate = None  # the account alone, below
+    step = drafting()
+    state = step.seq.drafting
+    # Alone, a sequence moves in 1 / (2 - p) of the steps: it goes ahead from p = 0.7.
+    assert state.odds_whole == 0.5 and not scheduler.goes_ahead([step])  # no record yet: even odds
+    for _ in range(3):
+        state.record(drafted=4, confirmed=4, most=4)
+    assert state.odds_whole == pytest.approx(3.71 / 4.71) and scheduler.goes_ahead([step])
+    state.record(drafted=4, confirmed=1, most=4)  # the newest weighs most
+    assert state.odds_whole == pytest.approx(3.439 / 5.439) and not scheduler.goes_ahead([step])
+    assert scheduler.goes_ahead([step, drafting(drafts=())])  # beside a plain decode, which always moves
     for _ in range(50):
-        seq.drafting.record(drafted=4, confirmed=4, most=4)
-    assert seq.drafting.odds_whole < 11 / 12  # a record of 10 proposals at most
+        state.record(drafted=4, confirmed=4, most=4)
+    assert state.odds_whole < 11 / 12  # a record of 10 proposals at most
     for params in (SamplingParams(presence_penalty=0.5), SamplingParams(structured=StructuredOutput("regex", "a+"))):
-        other = Sequence(Request("p", [1, 2, 3], params, 16, frozenset()), 0, [1, 2, 3], 0)
-        other.drafting = DraftState(length=4)
-        assert not scheduler.goes_ahead(ScheduledSequence(other, 3, samples=True, drafts=[4, 5]))
-        assert not scheduler.guesses(other)  # their drafts need the real ids: they wait for them
+        other = drafting(params)
+        assert not scheduler.guesses(other.seq)  # their drafts need the real ids: they wait for them
+        assert not scheduler.goes_ahead([step, other]) and scheduler.goes_ahead([step, drafting(params, ())])
     assert Scheduler(BlockManager(8, 16), 4, 64, SuffixProposer(4), lookahead=Lookahead()).lookahead is not None
     assert Scheduler(BlockManager(8, 16), 4, 64, None, lookahead=Lookahead()).lookahead is None  # nothing drafts
 
@@ -323,10 +338,11 @@ def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEng
 
 
 def always_ahead(engine: LLMEngine) -> None:
-    """Every sequence goes ahead of its steps with drafts, whatever its luck: the most rollbacks (on
-    a CPU the measured lookahead lets few go)."""
+    """Every step goes ahead of its step with drafts, whatever its luck: the most rollbacks (on a
+    CPU the measured lookahead lets few go)."""
     engine.scheduler.lookahead.record = lambda host, device: None
-    engine.scheduler.lookahead.min_whole = 0.0
+    engine.scheduler.lookahead.min_progress = 0.0
+    engine.scheduler.lookahead.gate = None
 
 
 @pytest.fixture
@@ -399,15 +415,18 @@ def test_greedy_and_seeded_outputs_are_those_without_speculation(spec_engines, p
     assert spec.block_manager.num_used_blocks == 0
 
 
-def test_steps_go_ahead_of_drafts_on_a_gpu_by_default_and_where_asked() -> None:
+def test_steps_go_ahead_of_drafts_only_where_asked() -> None:
     def lookahead(**kw) -> Lookahead | None:
         engine = LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", kv_cache_memory="2MiB", **kw))
         engine.close()
         return engine.scheduler.lookahead
 
-    assert lookahead(speculative_method="ngram") is None  # on a CPU the host waits out every forward anyway
+    assert lookahead(speculative_method="ngram") is None
     assert isinstance(lookahead(speculative_method="suffix", speculative_overlap=True), Lookahead)
     assert lookahead(speculative_overlap=True) is None  # nothing drafts
+    # A draft model's drafts follow real ids: its steps wait.
+    assert lookahead(speculative_method="draft", speculative_model="random:tiny-llama3-draft",
+                     speculative_overlap=True) is None
 
 
 @pytest.mark.parametrize("overlap", [False, True])

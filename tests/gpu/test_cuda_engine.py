@@ -124,7 +124,8 @@ def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
                                   speculative_model=draft, speculative_overlap=bool(ahead)))
     if ahead:
         spec.scheduler.lookahead.record = lambda host, device: None
-        spec.scheduler.lookahead.min_whole = 0.0
+        spec.scheduler.lookahead.min_progress = 0.0
+        spec.scheduler.lookahead.gate = None
     plain = LLMEngine(EngineConfig(**config))
     replays = []
     for graph in spec.runner.graphs.values():
