@@ -14,6 +14,7 @@ included, the same for both). Acceptance is accepted / drafted tokens in the tim
   python bench/spec.py --out bench/results/<date>-cpu-spec.json     # CPU, the embedded model
   python bench/spec.py --method draft --speculative-model DIR        # drafts from a small model
   python bench/spec.py --smoke                                         # seconds: checks the script
+  python bench/spec.py --device cuda --overlap                         # and with --speculative-overlap
 """
 from __future__ import annotations
 
@@ -67,58 +68,70 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workloads:
         workloads = {name: workloads[name] for name in args.workloads.split(",")}
     method = f"{PLAIN}-spec-{args.method}"
-    # Two engines in one process: on a GPU each takes a fixed KV pool, not a share of free memory.
+    # With --overlap a third engine: the same drafts, its steps going ahead of steps with drafts.
+    variants = {method: False, **({f"{method}-overlap": True} if args.overlap else {})}
+    # The engines in one process: on a GPU each takes a fixed KV pool, not a share of free memory.
     config = dict(model=args.model, device=args.device, dtype=args.dtype,
                   kv_cache_memory="4GiB" if args.device.startswith("cuda") else None)
     engines = {PLAIN: LLMEngine(EngineConfig(**config)),
-               method: LLMEngine(EngineConfig(**config, speculative_method=args.method,
-                                              speculative_model=args.speculative_model,
-                                              num_speculative_tokens=args.num_speculative_tokens,
-                                              speculative_gate=not args.ungated))}
+               **{system: LLMEngine(EngineConfig(**config, speculative_method=args.method,
+                                                 speculative_model=args.speculative_model,
+                                                 num_speculative_tokens=args.num_speculative_tokens,
+                                                 speculative_gate=not args.ungated, speculative_overlap=overlap))
+                  for system, overlap in variants.items()}}
     rows: list[dict[str, Any]] = []
     exact = args.device == "cpu"
     for name, prompt in workloads.items():
         for batch in args.batches:
             params = requests(batch, args.max_tokens)
             outputs = {system: timed(engine, prompt, params)[2] for system, engine in engines.items()}  # warm
-            order = [PLAIN, method]
-            runs: dict[str, list[float]] = {PLAIN: [], method: []}
-            drafted = accepted = 0
+            order = list(engines)
+            runs: dict[str, list[float]] = {system: [] for system in order}
+            drafted = dict.fromkeys(order, 0)
+            accepted = dict.fromkeys(order, 0)
             tokens: dict[str, int] = {}  # each system's tokens (bf16 on a GPU: their outputs may differ)
-            same = outputs[method] == outputs[PLAIN]
+            same = {system: outputs[system] == outputs[PLAIN] for system in order}
             for rep in range(args.reps):
                 for system in order if rep % 2 == 0 else order[::-1]:
                     seconds, count, ids, d, a = timed(engines[system], prompt, params)
-                    same = same and ids == outputs[PLAIN]
+                    same[system] = same[system] and ids == outputs[PLAIN]
                     # On CPU the kernels do not depend on the batch's shape, so the tokens must match; on a
                     # GPU a verify step's rows take other kernels than a decode's (rounding may differ).
-                    assert same or not exact, f"{name} batch {batch}: {system}'s tokens differ"
+                    assert same[system] or not exact, f"{name} batch {batch}: {system}'s tokens differ"
                     runs[system].append(count / seconds)
                     tokens[system] = count
-                    drafted, accepted = drafted + d, accepted + a
+                    drafted[system] += d
+                    accepted[system] += a
+            plain: dict[str, Any] = {}
             for system in order:
                 row = dict(workload=name, batch=batch, system=system, metric="tok_s", tokens=tokens[system],
                            **spread(runs[system]))
-                if system == method:
-                    row["same_tokens"] = same
-                    row["acceptance"] = round(accepted / drafted, 3) if drafted else None
-                    row["speedup"] = round(row["value"] / rows[-1]["value"], 3)
+                if system == PLAIN:
+                    plain = row
+                else:
+                    row["same_tokens"] = same[system]
+                    row["acceptance"] = round(accepted[system] / drafted[system], 3) if drafted[system] else None
+                    row["speedup"] = round(row["value"] / plain["value"], 3)
                 rows.append(row)
-                log(f"{name:12s} batch {batch:2d} {system:24s} {row['value']:8.1f} tok/s"
-                    + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system == method else ""))
+                log(f"{name:12s} batch {batch:2d} {system:32s} {row['value']:8.1f} tok/s"
+                    + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system != PLAIN else ""))
     return dict(bench="spec", device=args.device, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
                 commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens, gated=not args.ungated,
+                num_speculative_tokens=args.num_speculative_tokens, gated=not args.ungated, overlap=args.overlap,
                 max_tokens=args.max_tokens, reps=args.reps, partial=bool(args.workloads) or args.smoke, rows=rows)
 
 
 def table(doc: dict[str, Any]) -> str:
-    lines = ["| workload | batch | plain tok/s | speculative tok/s | x | acceptance | same tokens |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    rows = doc["rows"]
-    for plain, spec in zip(rows[::2], rows[1::2]):
-        lines.append(f"| {plain['workload']} | {plain['batch']} | {plain['value']:,.1f} | {spec['value']:,.1f} | "
-                     f"{spec['speedup']:.2f} | {spec['acceptance']} | {'yes' if spec.get('same_tokens', True) else 'no'} |")
+    lines = ["| workload | batch | plain tok/s | speculative tok/s | x | acceptance | same tokens | system |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    plain: dict[str, Any] = {}
+    for row in doc["rows"]:
+        if row["system"] == PLAIN:
+            plain = row
+            continue
+        lines.append(f"| {row['workload']} | {row['batch']} | {plain['value']:,.1f} | {row['value']:,.1f} | "
+                     f"{row['speedup']:.2f} | {row['acceptance']} | {'yes' if row.get('same_tokens', True) else 'no'} "
+                     f"| {row['system']} |")
     return "\n".join(lines)
 
 
@@ -132,6 +145,8 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--ungated", action="store_true",
                         help="--speculative-gate false: draft beside a batch even where it measures slower")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also the same drafts with --speculative-overlap (system minillm-spec-<method>-overlap)")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)

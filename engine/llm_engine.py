@@ -116,7 +116,8 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.batched_tokens(),
                                        self._proposer(draft, num_blocks), draft_batch(config, device),
                                        SpeedGate() if config.speculative_method and config.speculative_gate else None,
-                                       Lookahead() if config.speculative_method and config.speculative_overlap else None)
+                                       Lookahead() if config.speculative_method and config.speculative_overlap
+                                       else None)
             self.runner = build_runner(config, self.model, num_blocks, self.sample_vocab_size,
                                        self.workers.send if self.workers else None)
             self.grammars = (GrammarCompiler.for_tokenizer(self.tokenizer, self.sample_vocab_size, self.eos_token_ids)

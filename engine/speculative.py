@@ -28,7 +28,7 @@ WARM_STEPS = 4  # decode steps without drafts that a batch size measures before 
 PROBE_STEPS = 8  # steps with drafts summed into each verdict on them
 MIN_PAUSE, MAX_PAUSE = 16, 1024  # schedules without drafts after a verdict that they did not pay (doubling)
 MIN_GAIN = 1.02  # how much faster drafting must go to keep on: a tie is not worth its waits
-WHOLE_DECAY = 0.9  # a sequence's proposals counted toward its odds of a whole one, each weighed this much less a proposal
+WHOLE_DECAY = 0.9  # the weight of a sequence's proposal in its record, against the one after it
 
 
 def max_batch(device_type: str) -> int:
@@ -163,8 +163,7 @@ class Lookahead:
     a step and launching the next: max(`device`, `host`) long instead of `device` + `host`. So a
     step goes ahead while its sequences move on average (1 for those without drafts) in at least
     min_progress = max(device, host) / (device + host) of the steps, both measured on steps that
-    waited (moving averages).
-    Until they are, none goes ahead.
+    waited (moving averages); until they are, none goes ahead.
     That account leaves out what guessing costs (a step launched ahead drafts past a guess of the
     last sample in flight), so a `gate` times the steps that went ahead against those that waited,
     by batch size, and pauses going ahead where it measures slower (as SpeedGate does drafting)."""
