@@ -49,7 +49,7 @@ class _InFlight:
     prompt: tuple[SamplerOutput, list[tuple[Request, int]]] | None = None
     decode_only: bool = False  # every sequence decodes (some with drafts): a step the speed gate times
     rows: int = 0  # sampled ids: a row a sample and a draft
-    waited: bool = False  # launched after the step before it was read
+    waited_at: float | None = None  # when launched, if after the step before it was read (with a lookahead)
     ahead: bool = False  # launched before the step before it, which carried drafts, was read
 
 
@@ -132,7 +132,6 @@ class LLMEngine:
         self.clock = time.perf_counter  # the speed gate's and the lookahead's
         self._last_read = self.clock()  # when a step's tokens were last read
         self._landed = 0.0  # when the ids of the step read last reached the host
-        self._waited_launch: float | None = None  # when the step in flight was launched, if after a wait
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.constrained_requests_total = 0
@@ -332,9 +331,9 @@ class LLMEngine:
             self._sample_deferred(prev)
         launched = self._launch(out, step, prev) if step is not None else None
         if self.scheduler.lookahead is not None:
-            self._time_wait(early, launched)
+            self._time_wait(early, launched, read)
             if launched is not None:
-                launched.waited, launched.ahead = early, ahead
+                launched.ahead = ahead
         if reads is not None:
             outputs += self._emit(reads)
         if prev is not None:  # the launched step's masks are sent as soon as its tokens are read
@@ -345,8 +344,8 @@ class LLMEngine:
         # Only now are this step's input ids all real, so the blocks it fills can be hashed.
         self.scheduler.update_computed(out)
         self._in_flight = launched
-        if read is not None:  # timed where a step was read and one launched
-            seconds, self._last_read = read_at - self._last_read, read_at
+        if read is not None and (self.scheduler.gate is not None or self.scheduler.lookahead is not None):
+            seconds, self._last_read = read_at - self._last_read, read_at  # timed where one was read, one launched
             if self.scheduler.gate is not None:
                 self._time_read(read, outputs, drafting or ahead, seconds,
                                 timed=launched is not None and (drafting or ahead or not early))
@@ -370,20 +369,20 @@ class LLMEngine:
         gate = self.scheduler.lookahead.gate
         if gate is None or not read.decode_only or not read.sampling:
             return
-        if read.ahead or (read.waited and any(s.drafts for s in read.sampling)):
+        if read.ahead or (read.waited_at is not None and any(s.drafts for s in read.sampling)):
             tokens = sum(len(delta.token_ids) for output in outputs for delta in output.deltas)
             gate.record(read.ahead, len(read.sampling), tokens, seconds)
 
-    def _time_wait(self, early: bool, launched: _InFlight | None) -> None:
+    def _time_wait(self, early: bool, launched: _InFlight | None, read: _InFlight | None) -> None:
         """Tell the lookahead what a step with drafts that waited for the one before costs: the host's
         work from that one's ids landing to this launch, and the device time of that one, where it
         too was launched after a wait (then it ran alone, from its launch to its ids landing)."""
         now = self.clock()
-        waited = early and launched is not None and any(s.drafts for s in launched.sampling)
-        if waited:
-            device = self._landed - self._waited_launch if self._waited_launch is not None else None
-            self.scheduler.lookahead.record(now - self._landed, device)
-        self._waited_launch = now if waited else None
+        if early and launched is not None:
+            launched.waited_at = now
+            if any(s.drafts for s in launched.sampling):
+                waited = read is not None and read.waited_at is not None and any(s.drafts for s in read.sampling)
+                self.scheduler.lookahead.record(now - self._landed, self._landed - read.waited_at if waited else None)
 
     def _sample_deferred(self, in_flight: _InFlight) -> None:
         """Launch the sampling of a step with grammar rows, under the masks filled for it."""
