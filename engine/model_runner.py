@@ -310,7 +310,7 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
         """Ranks other than 0: run rank 0's step on this rank's shard, then take its sampled ids."""
-        logits = self.forward(step, self._followed if step.has_prev else None)
+        self.forward(step, self._followed if step.has_prev else None)
         if step.logit_rows:
             self._followed = self.model.tp.broadcast(torch.empty(len(step.logit_rows), dtype=torch.int64,
                                                                  device=self.device))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from engine.errors import ContextLengthError, InvalidRequestError
 from engine.llm_engine import Completion, LLMEngine
 from engine.sampling_params import SamplingParams
 
