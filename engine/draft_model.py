@@ -74,6 +74,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = model.cfg.vocab_size
         self.max_num_batched_tokens = max_num_batched_tokens  # a catch-up step's tokens: long prompts go in chunks
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks  # per block, the sequences whose tables hold it (forks share their prompt's)
         self._kv: dict[int, _DraftKV] = {}  # by seq_id
         self._prepared: dict[int, list[int]] = {}  # by seq_id, until propose hands them out
 
@@ -83,8 +84,10 @@ class DraftModelProposer(Proposer):
 
     def release(self, seq: Sequence) -> None:
         kv = self._kv.pop(seq.seq_id, None)
-        if kv is not None:
-            self.free_blocks.extend(kv.blocks)
+        for block in kv.blocks if kv is not None else ():
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                self.free_blocks.append(block)
 
     @torch.inference_mode()
     def prepare(self, seqs: list[Sequence], limits: list[int]) -> None:
@@ -123,10 +126,15 @@ class DraftModelProposer(Proposer):
         bs, budget = self.block_size, self.max_num_batched_tokens
         step = StepInputs([], [], [], [], [], [], [], [], None, False)
         proposals = []
+        written = {seq_id: kv.num_seen for seq_id, kv in self._kv.items()}  # in the pool before this step
+        started: set[str] = set()  # requests a sequence's draft KV starts for in this step
         for seq, limit in zip(seqs, limits):
             kv = self._kv.get(seq.seq_id)
             if kv is None:
-                kv = self._kv[seq.seq_id] = _DraftKV(fits=max(seq.request.prompt_token_ids) < self.vocab_size)
+                if seq.request.request_id in started:  # a fork: it shares what its sibling feeds, next time
+                    continue
+                started.add(seq.request.request_id)
+                kv = self._kv[seq.seq_id] = self._fork(seq, written)
             tokens, n = seq.token_ids, seq.num_tokens
             for draft in kv.drafts:  # the drafts the target confirmed are seen; the others are overwritten
                 if kv.num_seen == n or tokens[kv.num_seen] != draft:
@@ -165,10 +173,26 @@ class DraftModelProposer(Proposer):
             block_tables=[p.kv.blocks for p in proposals], block_copies=[],
             logit_rows=list(range(len(proposals))), graph_batch=None, has_prev=True)
 
+    def _fork(self, seq: Sequence, written: dict[int, int]) -> _DraftKV:
+        """A sequence's first draft KV: the full blocks of its prompt that a sibling (another sample
+        of its request) has written (written: each sequence's positions in the pool), shared, as the
+        target's forks share their prompt's blocks. Neither writes them again: each writes only past
+        what it has seen, which is past its prompt."""
+        kv = _DraftKV(fits=max(seq.request.prompt_token_ids) < self.vocab_size)
+        sibling = max((s.seq_id for s in seq.request.sequences if s.seq_id in written), key=written.get, default=None)
+        if sibling is not None:
+            shared = min(written[sibling], seq.num_prompt_tokens, seq.num_tokens - 1) // self.block_size
+            kv.blocks, kv.num_seen = self._kv[sibling].blocks[:shared], shared * self.block_size
+            for block in kv.blocks:
+                self._refs[block] += 1
+        return kv
+
     def _reserve(self, kv: _DraftKV, num_positions: int) -> bool:
         """Blocks for a sequence's first num_positions positions, if the pool has them."""
         need = -(-num_positions // self.block_size) - len(kv.blocks)
         if need > len(self.free_blocks):
             return False
-        kv.blocks += [self.free_blocks.popleft() for _ in range(need)]
+        for _ in range(need):
+            kv.blocks.append(self.free_blocks.popleft())
+            self._refs[kv.blocks[-1]] = 1
         return True

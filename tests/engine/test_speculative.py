@@ -628,6 +628,32 @@ def test_aborts_leak_no_draft_block() -> None:
     assert_no_draft_block_held(spec)
 
 
+def test_forks_share_their_prompts_draft_blocks() -> None:
+    """n samples of one prompt: the first to draft feeds the prompt to the draft model, the others
+    share its full blocks (the draft model sees the prompt about once, not n times); the outputs
+    are those without speculation and every block comes back."""
+    prompt = [1] + [300 + i % 24 for i in range(70)]  # 71 tokens: 4 full blocks of 16
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=30, n=4, ignore_eos=True)
+    base, spec = tiny_engine(), draft_engine()
+    proposer = spec.scheduler.proposer
+    fed, shared, forward = [0], [0], proposer.runner.forward
+
+    def counted(step, prev, rows=None):
+        if prev is None:  # a catch-up step: the tokens the draft KV lacked
+            fed[0] += len(step.input_ids)
+        tables = [b for kv in proposer._kv.values() for b in kv.blocks]
+        shared[0] = max(shared[0], len(tables) - len(set(tables)))
+        return forward(step, prev, rows)
+
+    proposer.runner.forward = counted
+    [want], [got] = base.generate([prompt], params), spec.generate([prompt], params)
+    assert_same(want, got)
+    assert spec.stats().accepted_draft_tokens > 0
+    assert shared[0] >= 3 * 4  # three forks held the first one's 4 prompt blocks
+    assert fed[0] < 2 * len(prompt) + 4 * 30  # the prompt about once, then each fork's own tokens
+    assert_no_draft_block_held(spec)
+
+
 def test_a_short_draft_pool_proposes_nothing_rather_than_fail() -> None:
     spec = draft_engine(TINY)
     spec.scheduler.proposer.free_blocks.clear()  # as if other sequences held every draft block
