@@ -126,15 +126,15 @@ class DraftModelProposer(Proposer):
         bs, budget = self.block_size, self.max_num_batched_tokens
         step = StepInputs([], [], [], [], [], [], [], [], None, False)
         proposals = []
-        written = {seq_id: kv.num_seen for seq_id, kv in self._kv.items()}  # in the pool before this step
         started: set[str] = set()  # requests a sequence's draft KV starts for in this step
+        for seq in seqs:  # before this step feeds any: a fork shares only blocks already written
+            if seq.seq_id not in self._kv and seq.request.request_id not in started:
+                started.add(seq.request.request_id)
+                self._kv[seq.seq_id] = self._fork(seq)
         for seq, limit in zip(seqs, limits):
             kv = self._kv.get(seq.seq_id)
-            if kv is None:
-                if seq.request.request_id in started:  # a fork: it shares what its sibling feeds, next time
-                    continue
-                started.add(seq.request.request_id)
-                kv = self._kv[seq.seq_id] = self._fork(seq, written)
+            if kv is None:  # a fork whose sibling starts in this step: it shares that one's blocks next time
+                continue
             tokens, n = seq.token_ids, seq.num_tokens
             for draft in kv.drafts:  # the drafts the target confirmed are seen; the others are overwritten
                 if kv.num_seen == n or tokens[kv.num_seen] != draft:
@@ -173,16 +173,16 @@ class DraftModelProposer(Proposer):
             block_tables=[p.kv.blocks for p in proposals], block_copies=[],
             logit_rows=list(range(len(proposals))), graph_batch=None, has_prev=True)
 
-    def _fork(self, seq: Sequence, written: dict[int, int]) -> _DraftKV:
+    def _fork(self, seq: Sequence) -> _DraftKV:
         """A sequence's first draft KV: the full blocks of its prompt that a sibling (another sample
-        of its request) has written (written: each sequence's positions in the pool), shared, as the
-        target's forks share their prompt's blocks. Neither writes them again: each writes only past
-        what it has seen, which is past its prompt."""
+        of its request) has written, shared, as the target's forks share their prompt's blocks.
+        Neither writes them again: each writes only past what it has seen, which is past its prompt."""
         kv = _DraftKV(fits=max(seq.request.prompt_token_ids) < self.vocab_size)
-        sibling = max((s.seq_id for s in seq.request.sequences if s.seq_id in written), key=written.get, default=None)
-        if sibling is not None:
-            shared = min(written[sibling], seq.num_prompt_tokens, seq.num_tokens - 1) // self.block_size
-            kv.blocks, kv.num_seen = self._kv[sibling].blocks[:shared], shared * self.block_size
+        fed = max((self._kv[s.seq_id] for s in seq.request.sequences if s.seq_id in self._kv),
+                  key=lambda sibling: sibling.num_seen, default=None)
+        if fed is not None:
+            shared = min(fed.num_seen, seq.num_prompt_tokens, seq.num_tokens - 1) // self.block_size
+            kv.blocks, kv.num_seen = fed.blocks[:shared], shared * self.block_size
             for block in kv.blocks:
                 self._refs[block] += 1
         return kv
