@@ -29,7 +29,7 @@ from engine.models.llama import DecoderModel
 from engine.sampler import SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
-from kernels.dispatch import pinned, programmatic_launches, to_device
+from kernels.dispatch import pinned, programmatic_launches, to_device, use_triton
 from kernels.sampling import gumbel_argmax_triton
 
 log = logging.getLogger("minillm.engine")
@@ -353,7 +353,9 @@ class ModelRunner:
             decodes=len(computing) == len(sampling) and all(
                 s.samples and not s.sample_from and s.num_new_tokens == 1 + len(s.drafts) for s in computing),
         )
-        if step.decodes and len(input_ids) > len(computing):
+        # Decode rows let a verify step replay decode graphs and run decode attention; the torch
+        # reference would gather a sequence's keys once a row, so there it stays a query a sequence.
+        if step.decodes and len(input_ids) > len(computing) and use_triton(self.kv_cache):
             self._token_rows(step, computing)
         step.graph_batch = self._graph_for(step, prev_rows) if step.decodes else None
         return step

@@ -296,16 +296,57 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     return out, residual_out, sumsq
 
 
+class PackedWeight:
+    """An MKL-packed copy of a float32 weight on CPU, for x of MIN_ROWS up to `rows` rows (a verify
+    step's tokens): from 4 rows on, MKL's GEMM repacks an unpacked weight at every call, which made a
+    5-row step cost 1.8 one-row steps on CPU. The packing is for exactly `rows` rows; fewer are
+    padded to it. The weight itself stays for other row counts."""
+
+    MIN_ROWS = 4  # below it MKL's small-row path reads the weight once already
+
+    def __init__(self, weight: torch.Tensor, rows: int) -> None:
+        self.weight, self.rows = weight, rows
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, rows: int) -> PackedWeight | None:
+        """A packed copy of `weight` for `rows` rows, or None where it would not help or MKL cannot."""
+        if (rows < cls.MIN_ROWS or weight.device.type != "cpu" or weight.dtype != torch.float32
+                or not torch.backends.mkl.is_available()):
+            return None
+        return cls(weight, rows)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.MIN_ROWS <= x.numel() // x.shape[-1] <= self.rows and x.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        m = rows.shape[0]
+        if m < self.rows:
+            rows = torch.cat([rows, rows.new_zeros(self.rows - m, rows.shape[1])])
+        y = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, bias, self.rows)[:m]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          packed: PackedWeight | None = None) -> torch.Tensor:
+    """F.linear (cuBLAS, or torch's CPU matmul), through `packed` where it takes x."""
+    if packed is not None and packed.takes(x):
+        return packed(x, bias)
+    return F.linear(x, weight, bias)
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                 norm_in: NormScale | None = None) -> torch.Tensor:
+                 norm_in: NormScale | None = None, packed: PackedWeight | None = None) -> torch.Tensor:
     """y = x @ W.T + bias; with silu_mul (a merged gate/up weight) SiLU(gate) * up [..., N / 2].
     norm_in: x's rows are still to be normalized (an add-norm epilogue's output), whose factors our
     kernels apply to their outputs (elsewhere x is scaled first). Our kernels up to FLOAT_FUSED_ROWS rows on
-    Triton (fused_rows), else cuBLAS (or torch's CPU matmul) and the SiLU·up kernel."""
+    Triton (fused_rows), else cuBLAS (or torch's CPU matmul, through `packed` where it takes x) and the
+    SiLU·up kernel."""
     if fused_rows(x, weight):
         out, _, _ = _rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, silu_mul, norm_in, None)
         return out.view(*x.shape[:-1], out.shape[-1])
-    y = F.linear(x if norm_in is None else norm_in.apply(x), weight, bias)
+    y = dense(x if norm_in is None else norm_in.apply(x), weight, bias, packed)
     return activation.silu_mul(y) if silu_mul else y
 
 

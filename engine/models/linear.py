@@ -15,7 +15,7 @@ from engine.models.config import QuantConfig
 from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm, merges_splits
 from kernels.decode_attention import AttentionSplits
 from kernels.dispatch import folds_norms, use_triton
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv, fused_rows
+from kernels.float_linear import PackedWeight, float_linear, float_linear_add_norm, float_linear_rope_kv, fused_rows
 from kernels.fp8_linear import FP8, fp8_linear, fp8_linear_add_norm, fp8_linear_rope_kv, quantize_fp8
 from kernels.int4_layout import dequantize_int4, repack_awq
 from kernels.int4_linear import int4_linear, int4_linear_add_norm, int4_linear_rope_kv
@@ -87,10 +87,11 @@ class Linear(Projection):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.packed: PackedWeight | None = None  # CPU verify steps' copy (DecoderModel.pack_weights)
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_in: NormScale | None = None) -> torch.Tensor:
         """x W^T + b; with silu_mul (a merged gate/up layer), SiLU(gate) * up over its two halves."""
-        return float_linear(x, self.weight, self.bias, silu_mul, norm_in)
+        return float_linear(x, self.weight, self.bias, silu_mul, norm_in, self.packed)
 
     def fuses(self, x: torch.Tensor) -> bool:
         return fused_rows(x, self.weight)  # up to kernels/float_linear.py's FLOAT_FUSED_ROWS

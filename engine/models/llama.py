@@ -17,11 +17,12 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig, QuantConfig
-from engine.models.linear import Projection, make_linear
+from engine.models.linear import Linear, Projection, make_linear
 from engine.models.sharding import ModelShard
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.decode_attention import AttentionSplits
 from kernels.embedding import embed_rms_norm, resolve_placeholders
+from kernels.float_linear import PackedWeight, dense
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
 
@@ -120,6 +121,7 @@ class DecoderModel(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
+        self.head_packed: PackedWeight | None = None  # pack_weights' copy of the float lm_head (or the tied embedding)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes a token takes on this rank (its KV heads only)."""
@@ -162,9 +164,21 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(local.clamp(0, rows - 1)) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
         return self.tp.all_reduce(hidden)
 
+    def pack_weights(self, rows: int) -> None:
+        """Keep MKL-packed copies of the float32 weights for CPU steps of up to `rows` rows (verify
+        steps; kernels/float_linear.py's PackedWeight): about the weights' bytes again."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = PackedWeight.of(module.weight, rows)
+        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            self.head_packed = PackedWeight.of(self._head_weight(), rows)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
+            logits = dense(hidden, self._head_weight(), packed=self.head_packed)
         else:
             logits = self.lm_head(hidden)
         logits = self.tp.all_gather(logits)

@@ -37,15 +37,21 @@ def scheduled(token_ids: list[int], computed: int, table: list[int], new: int, d
     return ScheduledSequence(seq, new, samples=computed + new - len(drafts) == len(token_ids), drafts=list(drafts))
 
 
-def test_a_verify_step_is_laid_out_as_decode_rows(runner) -> None:
+@pytest.mark.parametrize("triton", [True, False])
+def test_a_verify_step_is_laid_out_as_decode_rows_where_triton_runs(runner, monkeypatch, triton) -> None:
+    if triton:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     verify = scheduled([1, 2, 3, 4, 5], 4, [7], 3, drafts=(6, 8))
     decode = scheduled([1, 2, 3, 9], 3, [5], 1)
     step = runner.prepare(SchedulerOutput([verify, decode]), None)
     assert step.input_ids == [5, 6, 8, 9] and step.positions == [4, 5, 6, 3]
-    assert step.slots == [7 * 16 + 4, 7 * 16 + 5, 7 * 16 + 6, 5 * 16 + 3]
-    # A row a token, each attending up to itself, the drafts' keys read after the wait like the newest's.
-    assert step.query_lens == [1, 1, 1, 1] and step.seq_lens == [5, 6, 7, 4] and step.fresh == [4, 4, 4, 3]
-    assert step.block_tables == [[7], [7], [7], [5]] and step.logit_rows == [0, 1, 2, 3]
+    assert step.slots == [7 * 16 + 4, 7 * 16 + 5, 7 * 16 + 6, 5 * 16 + 3] and step.logit_rows == [0, 1, 2, 3]
+    if triton:  # a row a token, each attending up to itself, the drafts' keys read after the wait like the newest's
+        assert step.query_lens == [1, 1, 1, 1] and step.seq_lens == [5, 6, 7, 4] and step.fresh == [4, 4, 4, 3]
+        assert step.block_tables == [[7], [7], [7], [5]]
+    else:  # the torch reference: a query a sequence, which gathers its keys once
+        assert step.query_lens == [3, 1] and step.seq_lens == [7, 4] and step.fresh is None
+        assert step.block_tables == [[7], [5]]
 
 
 def test_a_step_with_a_prefill_chunk_keeps_a_row_a_sequence(runner) -> None:

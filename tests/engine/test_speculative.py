@@ -19,6 +19,7 @@ from engine.sequence import Request, Sequence, placeholder
 from engine.tokenizer import IncrementalDetokenizer
 from engine.block_manager import BlockManager
 from engine.scheduler import ScheduledSequence, Scheduler
+from kernels.float_linear import PackedWeight
 from engine.speculative import (MAX_PAUSE, MAX_SKIP, MIN_PAUSE, PATIENCE, PROBE_STEPS, WARM_STEPS, DraftState,
                                 Lookahead, NgramProposer, SpeedGate, SuffixAutomaton, SuffixProposer, accepted,
                                 max_batch)
@@ -292,7 +293,7 @@ def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
     now, forward = [0.0], slow.runner.forward
 
     def timed(step, prev, rows=None):
-        now[0] += 0.1 if step.fresh is not None else 0.01  # fresh: decode rows, a row per token (a verify step)
+        now[0] += 0.1 if step.decodes and len(step.input_ids) > 1 else 0.01  # one sequence: 1 + its drafts
         return forward(step, prev, rows)
     slow.runner.forward, slow.clock = timed, lambda: now[0]
     [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
@@ -502,6 +503,22 @@ def test_aborts_leak_no_block(spec_engines) -> None:
         spec.step()
     spec.step()  # the step in flight lands
     assert spec.block_manager.num_used_blocks == 0 and not spec.scheduler.running
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL packs the weights")
+def test_cpu_verify_steps_read_packed_weights_and_keep_a_query_a_sequence(engines, monkeypatch) -> None:
+    plain, spec = engines
+    assert spec.model.layers[0].qkv_proj.packed.rows == 5 and spec.model.head_packed is not None
+    assert plain.model.layers[0].qkv_proj.packed is None and plain.model.head_packed is None
+    steps, packed_rows = [], []
+    forward, call = spec.runner.forward, PackedWeight.__call__
+    monkeypatch.setattr(spec.runner, "forward", lambda step, prev, rows=None: steps.append(step) or forward(step, prev, rows))
+    monkeypatch.setattr(PackedWeight, "__call__", lambda self, x, bias: packed_rows.append(len(x)) or call(self, x, bias))
+    params = [SamplingParams(temperature=0, max_tokens=48)]
+    assert_same(plain.generate(chats(LIST), params)[0], spec.generate(chats(LIST), params)[0])
+    verify = [s for s in steps if s.decodes and len(s.input_ids) > 1]
+    assert verify and all(s.query_lens == [len(s.input_ids)] and s.fresh is None for s in verify)
+    assert packed_rows and set(packed_rows) <= {4, 5}
 
 
 def test_a_step_with_drafts_launches_before_the_text_of_the_step_it_read(default_model_dir, monkeypatch) -> None:

@@ -10,8 +10,8 @@ import torch
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
-from kernels.float_linear import (ROWS_GEMV_MOST, float_linear, float_linear_add_norm, float_linear_ref, fused_rows,
-                                 gemv_config, rows_config, rows_gemv_fits)
+from kernels.float_linear import (ROWS_GEMV_MOST, PackedWeight, dense, float_linear, float_linear_add_norm,
+                                 float_linear_ref, fused_rows, gemv_config, rows_config, rows_gemv_fits)
 from kernels.rmsnorm import add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -151,3 +151,29 @@ def test_add_norm_is_the_norm_kernel_where_norms_do_not_fold(triton_interpreter)
         assert norm is None and torch.equal(h, ref_h)
         torch.testing.assert_close(normed, ref, **TOLERANCE[torch.float32])
 
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL packs the weights")
+@pytest.mark.parametrize("rows", [4, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_weight_is_the_plain_projection(rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = _weights(gen, 200, 160, torch.float32)
+    bias = torch.randn(200, generator=gen) if with_bias else None
+    packed = PackedWeight.of(weight, 5)
+    x = torch.randn(rows, 160, generator=gen)
+    assert packed is not None and packed.takes(x) and not fused_rows(x, weight)
+    out = float_linear(x, weight, bias, packed=packed)
+    assert out.shape == (rows, 200)
+    torch.testing.assert_close(out, float_linear_ref(x, weight, bias), **TOLERANCE[torch.float32])
+    assert torch.equal(dense(x, weight, bias, packed), packed(x, bias))
+
+
+def test_weights_are_packed_only_where_it_helps() -> None:
+    weight = torch.randn(8, 16)
+    assert PackedWeight.of(weight, PackedWeight.MIN_ROWS - 1) is None  # MKL's small-row path is fast already
+    assert PackedWeight.of(weight.half(), 5) is None
+    packed = PackedWeight.of(weight, 5)
+    if packed is not None:  # where MKL is
+        assert not packed.takes(torch.randn(3, 16)) and not packed.takes(torch.randn(6, 16))
+        assert packed.takes(torch.randn(1, 4, 16))
