@@ -35,8 +35,8 @@ def max_batch(device_type: str) -> int:
     """Running sequences up to which steps carry drafts. On a GPU verifying k + 1 tokens a sequence
     rides on the weights' reads until the batch is large: on the H200 a step with 4 drafts a
     sequence cost 1.4x a decode step at batch 1 and 8 on the 1B shape and 1.0-1.2x on the 8B, but
-    2.7-5.4x at batch 64 (bench/README.md), hence 16. On a CPU every token costs compute, and batch
-    8 lost 10-20% in bench/spec.py where batch 1 won."""
+    2.7-5.4x at batch 64 (bench/README.md), hence 16. On a CPU every token costs compute: beside a
+    batch of 8, sampled grounded QA still lost 6% (docs/performance.md) where batch 1 won."""
     return 16 if device_type == "cuda" else 1
 
 
