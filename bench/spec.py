@@ -15,6 +15,7 @@ included, the same for both). Acceptance is accepted / drafted tokens in the tim
   python bench/spec.py --method draft --speculative-model DIR        # drafts from a small model
   python bench/spec.py --smoke                                         # seconds: checks the script
   python bench/spec.py --device cuda --overlap                         # and with --speculative-overlap
+  python bench/spec.py --speculative-max-batch 8                       # batch 8 drafting on CPU too
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                **{system: LLMEngine(EngineConfig(**config, speculative_method=args.method,
                                                  speculative_model=args.speculative_model,
                                                  num_speculative_tokens=args.num_speculative_tokens,
+                                                 speculative_max_batch=args.speculative_max_batch,
                                                  speculative_gate=not args.ungated, speculative_overlap=overlap))
                   for system, overlap in variants.items()}}
     rows: list[dict[str, Any]] = []
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system != PLAIN else ""))
     return dict(bench="spec", device=args.device, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
                 commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
-                num_speculative_tokens=args.num_speculative_tokens, gated=not args.ungated, overlap=args.overlap,
+                num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
+                gated=not args.ungated, overlap=args.overlap,
                 max_tokens=args.max_tokens, reps=args.reps, partial=bool(args.workloads) or args.smoke, rows=rows)
 
 
@@ -143,6 +146,8 @@ def main() -> int:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--speculative-model", help="the draft model of --method draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--speculative-max-batch", type=int,
+                        help="running sequences up to which steps draft (default: by device, 1 on CPU)")
     parser.add_argument("--ungated", action="store_true",
                         help="--speculative-gate false: draft beside a batch even where it measures slower")
     parser.add_argument("--overlap", action="store_true",
