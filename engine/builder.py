@@ -127,8 +127,9 @@ def decode_rows(config: EngineConfig, device: torch.device) -> int:
 
 def build_runner(config: EngineConfig, model: DecoderModel, num_blocks: int, sample_vocab_size: int | None = None,
                  publish: Callable[[StepInputs], None] | None = None) -> ModelRunner:
-    if model.embed_tokens.weight.device.type == "cpu" and config.speculative_method is not None:
+    device = model.embed_tokens.weight.device
+    if device.type == "cpu" and config.speculative_method is not None:
         model.pack_weights(1 + config.num_speculative_tokens)  # a verify step's rows
     return ModelRunner(model, num_blocks, config.block_size, context_length(config, model, num_blocks),
-                       decode_rows(config, model.embed_tokens.weight.device), config.cuda_graphs, sample_vocab_size,
+                       decode_rows(config, device), config.cuda_graphs, sample_vocab_size,
                        publish, config.batched_tokens())

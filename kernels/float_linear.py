@@ -317,7 +317,7 @@ class PackedWeight:
         return cls(weight, rows)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return self.MIN_ROWS <= x.numel() // x.shape[-1] <= self.rows and x.dtype == torch.float32
+        return self.MIN_ROWS <= x.numel() // x.shape[-1] <= self.rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

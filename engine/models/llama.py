@@ -170,15 +170,15 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = PackedWeight.of(module.weight, rows)
-        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
-            self.head_packed = PackedWeight.of(self._head_weight(), rows)
-
-    def _head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):  # not an int4 lm_head
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.head_packed = PackedWeight.of(head, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None or isinstance(self.lm_head, nn.Linear):
-            logits = dense(hidden, self._head_weight(), packed=self.head_packed)
+        if self.head_packed is not None:
+            logits = dense(hidden, self.head_packed.weight, packed=self.head_packed)
+        elif self.lm_head is None:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
         logits = self.tp.all_gather(logits)
