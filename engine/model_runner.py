@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.models.llama import DecoderModel
-from engine.sampler import SampleRow, Sampler, SamplerOutput
+from engine.sampler import HostIds, SampleRow, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import pinned, programmatic_launches, to_device, use_triton
@@ -102,6 +102,43 @@ def copy_tables(dst: torch.Tensor, tables: list[list[int]], scratch_block: int) 
     dst[: len(tables), :width].copy_(pinned(rows, torch.int32), non_blocking=True)
 
 
+class _HostRing:
+    """Pinned host rows that the decode graphs' draw writes its ids into, so that a step's ids reach
+    the host with no copy after its graph (a copy's start costs the device more than the copy). Step
+    k takes row k % ROWS; the engine reads a step's ids before it launches the step after the next,
+    and HostIds checks that the row was not taken again before it was read."""
+
+    ROWS = 4
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.ids = torch.zeros(self.ROWS, width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.uses = [0] * self.ROWS
+        self.taken = 0
+
+    def take(self) -> int:
+        row = self.taken % self.ROWS
+        self.taken += 1
+        self.uses[row] += 1
+        return row
+
+    def read(self, row: int, n: int) -> HostIds:
+        return HostIds(self.ids[row, :n], self.uses, row, self.uses[row])
+
+    @staticmethod
+    def writable(device: torch.device) -> bool:
+        """Whether Triton kernels on `device` write pinned host memory here (the draw, tried once)."""
+        try:
+            ids = torch.zeros(1, 1, dtype=torch.int64, pin_memory=True)
+            scores = torch.tensor([[0.0, 1.0]], device=device)
+            zero = torch.zeros(1, dtype=torch.int64, device=device)
+            gumbel_argmax_triton(scores, zero, zero, zero, host=(ids, zero))
+            torch.cuda.synchronize(device)
+            return ids.item() == 1
+        except (RuntimeError, ValueError) as e:  # a platform without mapped pinned memory
+            log.warning("sampled ids are copied to the host after each step: %s", e)
+            return False
+
+
 class _DecodeGraph:
     """Static input buffers and one captured forward + logits for decode batches of `batch` rows."""
 
@@ -109,39 +146,42 @@ class _DecodeGraph:
         dev, max_blocks = runner.device, runner.max_blocks_per_seq
         self.batch = batch
         # Input ids (placeholders included), positions, slots, lengths, each row's first key written
-        # this step, and its draw (seed, counter, temperature as float32 bits) as int64 [8, batch], then
-        # the block tables as int32 [batch, max_blocks]: one buffer, one copy a step where the tables'
-        # used part is near its start (run).
+        # this step, its draw (seed, counter, temperature as float32 bits) and the host ring's row the
+        # draw writes (every entry the same) as int64 [9, batch], then the block tables as int32
+        # [batch, max_blocks]: one buffer, one copy a step where the tables' used part is near its
+        # start (run).
         self.max_blocks = max_blocks
-        self.buffer = torch.full((16 * batch + batch * max_blocks,), runner.scratch_block, dtype=torch.int32,
+        self.buffer = torch.full((18 * batch + batch * max_blocks,), runner.scratch_block, dtype=torch.int32,
                                  device=dev)
-        self.inputs = self.buffer[: 16 * batch].view(torch.int64).view(8, batch)
+        self.inputs = self.buffer[: 18 * batch].view(torch.int64).view(9, batch)
         self.inputs.zero_()
         self.inputs[2] = runner.scratch_slot
         self.inputs[3] = 1
         self.input_ids, self.positions, self.slots = self.inputs[0], self.inputs[1], self.inputs[2]
         self.seq_lens, self.fresh = self.inputs[3], self.inputs[4]  # int64: decode attention reads either width
-        self.tables = self.buffer[16 * batch:].view(batch, max_blocks)
+        self.tables = self.buffer[18 * batch:].view(batch, max_blocks)
         self.meta = AttentionMetadata.for_decode_graph(self.slots, self.seq_lens, self.tables,
                                                        runner.model.num_kv_heads, self.fresh)
         model, kv, vocab = runner.model, runner.kv_cache, runner.sampler.vocab_size
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
+        host = (runner.host_ring.ids, self.inputs[8]) if runner.host_ring is not None else None
 
         def forward() -> torch.Tensor:
             logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
             # Drawn into prev_tokens, where the next step's placeholders look, after this step read them.
             self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6],
-                                              out=self.prev_tokens[:batch])
+                                              out=self.prev_tokens[:batch], host=host)
             return logits
 
         with programmatic_launches():  # kernels/dispatch.py: each kernel starts as the one before ends
             self.graph, self.logits = capture(forward, pool)
 
     def run(self, step: "StepInputs", scratch_slot: int, scratch_block: int,
-            draws: tuple[list[float], list[int], list[int]] | None = None) -> torch.Tensor:
+            draws: tuple[list[float], list[int], list[int]] | None = None, ring_row: int = 0) -> torch.Tensor:
         """Load this step's inputs (and its rows' draws, else greedy ones) into the static buffers,
-        replay, return the first n rows' logits (their drawn ids in self.drawn[:n])."""
+        replay, return the first n rows' logits (their drawn ids in self.drawn[:n], and in the host
+        ring's row ring_row)."""
         n, pad = len(step.input_ids), self.batch - len(step.input_ids)
         # Padding rows write only to the scratch slot and read one cached token (whatever their
         # stale table row points to); their logits are dropped.
@@ -150,7 +190,7 @@ class _DecodeGraph:
         bits = np.asarray(temperatures, dtype=np.float32).view(np.int32).tolist()
         inputs = np.array([step.input_ids + [0] * pad, step.positions + [0] * pad, step.slots + [scratch_slot] * pad,
                            step.seq_lens + [1] * pad, fresh + [0] * pad, seeds + [0] * pad, counters + [0] * pad,
-                           bits + [0] * pad], dtype=np.int64)
+                           bits + [0] * pad, [ring_row] * self.batch], dtype=np.int64)
         host = inputs_with_tables(inputs, step.block_tables, self.max_blocks, scratch_block)
         if host is not None:  # one copy
             self.buffer[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
@@ -251,13 +291,17 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         model.init_rope(max_model_len)
         self.sampler = Sampler(sample_vocab_size)
-        self._drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode graph's logits and the ids it drew
+        # A decode graph's logits, the ids it drew, and where it wrote them on the host (if it does).
+        self._drawn: tuple[torch.Tensor, torch.Tensor, HostIds | None] | None = None
         self.graphs: dict[int, _DecodeGraph] = {}
         self.prefill_graphs: dict[int, _PrefillGraph] = {}  # by token count
         # The previous step's sampled ids, for the graphs' placeholders (a step with more rows runs eagerly).
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
         self._followed: torch.Tensor | None = None  # on ranks other than 0: rank 0's last sampled ids
+        self.host_ring: _HostRing | None = None
         if use_cuda_graphs and self.device.type == "cuda":
+            if _HostRing.writable(self.device):
+                self.host_ring = _HostRing(max(GRAPH_BATCH_SIZES), self.device)
             self._capture(max_rows, max_num_batched_tokens)
 
     @torch.inference_mode()
@@ -300,7 +344,7 @@ class ModelRunner:
         Rows the decode graph drew (launch's rows) are only read."""
         drawn, self._drawn = self._drawn, None
         if drawn is not None and drawn[0] is logits and mask is None:
-            sampled = self.sampler.drawn(logits, drawn[1], rows)
+            sampled = self.sampler.drawn(logits, drawn[1], rows, drawn[2])
         else:
             sampled = self.sampler(logits, rows, mask)
         self.model.tp.broadcast(sampled.token_ids)
@@ -388,9 +432,11 @@ class ModelRunner:
             if not isinstance(graph, _DecodeGraph):
                 return graph.run(step, self.scratch_slot, self.scratch_block)
             draws = self.sampler.draws(rows, graph.logits.shape[-1]) if rows else None
-            logits = graph.run(step, self.scratch_slot, self.scratch_block, draws)
+            ring_row = self.host_ring.take() if self.host_ring is not None else 0
+            logits = graph.run(step, self.scratch_slot, self.scratch_block, draws, ring_row)
             if draws is not None:
-                self._drawn = (logits, graph.drawn[: len(logits)])
+                host_ids = self.host_ring.read(ring_row, len(logits)) if self.host_ring is not None else None
+                self._drawn = (logits, graph.drawn[: len(logits)], host_ids)
             return logits
         meta = AttentionMetadata.from_host(step.slots, step.query_lens, step.seq_lens, step.block_tables,
                                            self.model.num_kv_heads, self.device, step.fresh)

@@ -41,24 +41,46 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # params.logprobs most likely (token_id, logprob), most likely first
 
 
+@dataclass(slots=True)
+class HostIds:
+    """Sampled ids that the kernel drawing them writes into a row of pinned host memory (the decode
+    graphs' ring, engine/model_runner.py), so no copy follows it: valid until the ring comes round
+    to the row again."""
+
+    ids: torch.Tensor  # pinned int64 [B]: the row's first B entries
+    uses: list[int]  # per ring row, how many steps have written it
+    row: int
+    use: int  # uses[row] when this step wrote it
+
+    def tolist(self) -> list[int]:
+        if self.uses[self.row] != self.use:
+            raise RuntimeError("sampled ids read after their ring row was written again")
+        return self.ids.tolist()
+
+
 class SamplerOutput:
     """The batch's sampled tokens and logprobs, still on the device: the engine reads them (one copy
-    to the host, started by `start_copy`) only after it has launched the next step."""
+    to the host, started by `start_copy`, or none for ids a kernel wrote to the host: `host_ids`)
+    only after it has launched the next step."""
 
     def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] | None = None,
                  num_top: list[int] | None = None, chosen: torch.Tensor | None = None,
-                 top_values: torch.Tensor | None = None, top_ids: torch.Tensor | None = None) -> None:
+                 top_values: torch.Tensor | None = None, top_ids: torch.Tensor | None = None,
+                 host_ids: HostIds | None = None) -> None:
         self.token_ids = token_ids  # [B] int64, on the logits' device
         self._rows = logprob_rows or []  # rows that asked for logprobs
         self._num_top = num_top or []  # per such row, how many alternatives it asked for
         self._tensors = [t for t in (token_ids, chosen, top_values, top_ids) if t is not None]
+        self._host_ids = host_ids
         self._event: torch.cuda.Event | None = None
 
     def start_copy(self) -> None:
         """Begin the device-to-host copy without waiting for it (pinned buffers, then an event)."""
         if self.token_ids.device.type != "cuda":
             return
-        self._tensors = [t.to("cpu", non_blocking=True) for t in self._tensors]
+        first, rest = self._tensors[0], self._tensors[1:]
+        self._tensors = [self._host_ids or first.to("cpu", non_blocking=True),
+                         *(t.to("cpu", non_blocking=True) for t in rest)]
         self._event = torch.cuda.Event()
         self._event.record()
 
@@ -198,17 +220,18 @@ def _filtered(scores: torch.Tensor, rows: Sequence[SampleRow], temperatures: lis
     return scores
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SampleRow],
+              host_ids: HostIds | None = None) -> SamplerOutput:
     """The sampled tokens with, for rows that ask, their raw-distribution logprob and top tokens."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, host_ids=host_ids)
     index = to_device(wanted, torch.int64, raw.device)
     logprobs = raw[index].float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[index][:, None])[:, 0]
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
     top_values, top_ids = logprobs.topk(max(num_top), dim=-1)  # k = 0 gives empty rows
-    return SamplerOutput(token_ids, wanted, num_top, chosen, top_values, top_ids)
+    return SamplerOutput(token_ids, wanted, num_top, chosen, top_values, top_ids, host_ids)
 
 
 class Sampler:
@@ -253,6 +276,8 @@ class Sampler:
         return ([row.params.temperature for row in rows], int64_seeds([row.seed for row in rows]),
                 [row.counter for row in rows])
 
-    def drawn(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """The output for rows whose tokens were drawn elsewhere (draws): their logprobs, if asked."""
-        return _logprobs(logits[:, : self.vocab_size], token_ids, rows)
+    def drawn(self, logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow],
+              host_ids: HostIds | None = None) -> SamplerOutput:
+        """The output for rows whose tokens were drawn elsewhere (draws): their logprobs, if asked;
+        host_ids, if the drawing kernel also wrote them to the host."""
+        return _logprobs(logits[:, : self.vocab_size], token_ids, rows, host_ids)

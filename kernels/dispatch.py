@@ -111,13 +111,21 @@ def programmatic_launches() -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
+def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def has_tma(t: torch.Tensor) -> bool:
+    """Whether kernels on `t` may stream through the tensor memory accelerator (Hopper and later),
+    whose descriptors Triton's interpreter also reads."""
+    if t.is_cuda:
+        return _is_sm90(t.device)
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def programmatic_launch(t: torch.Tensor) -> bool:
     """Whether a kernel working on `t` is launched with PDL (then its PDL argument must be True)."""
-    return _programmatic_launch and t.is_cuda and _has_pdl(t.device)
+    return _programmatic_launch and t.is_cuda and _is_sm90(t.device)
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:

@@ -1,6 +1,6 @@
 """Linear layers over float weights (bf16, fp16, fp32) W [N, K]: for decode, a one-row Triton GEMV
-(batch 1, and a two-row version of it for small weights) and a few-row tensor-core kernel (up to
-FEW_ROWS rows), all with the epilogues the quantized one-row kernels have (kernels/split_k.py):
+(batch 1, and a two-row version of it for small weights; a wide gate/up weight's streamed by TMA on
+Hopper) and a few-row tensor-core kernel (up to FEW_ROWS rows), all with the epilogues the quantized one-row kernels have (kernels/split_k.py):
 SiLU·up, the add-norm that leaves the next norm to the next projection, that projection's scaled
 outputs, and RoPE with the KV write (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import activation
-from kernels.dispatch import (folds_norms, launch_next_kernel, launch_options, programmatic_launch, use_triton,
-                              wait_for_previous_kernel)
+from kernels.dispatch import (folds_norms, has_tma, launch_next_kernel, launch_options, programmatic_launch,
+                              use_triton, wait_for_previous_kernel)
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
-from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs, norm_arguments,
-                             norm_factor, one_row_outputs, split_k_for, split_workspace, store_matmul_outputs,
-                             store_one_row_outputs)
+from kernels.split_k import (FEW_ROWS, add_norm_operands, few_rows, gemv_split, large_tiling, matmul_outputs,
+                             norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
+                             store_matmul_outputs, store_one_row_outputs)
 
 
 def float_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,6 +82,43 @@ def _float_gemv_kernel(
                           residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
                           cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
                           HALF)
+
+
+@triton.jit
+def _float_gemv_tma_kernel(
+    x_ptr, w_desc, out_ptr, half_n, K, in_sumsq_ptr, in_parts, eps,
+    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_IN: tl.constexpr, PDL: tl.constexpr,
+):
+    """_float_gemv_kernel's SiLU·up over a wide merged gate/up weight, its weights streamed by the
+    tensor memory accelerator: each program's PAIRS gate rows and their up rows half_n further on,
+    BLOCK_K inputs a step, STAGES steps in flight through shared memory (the first read before the
+    wait). Rows and inputs past the weight's edge load as zeros."""
+    p0 = tl.program_id(0) * PAIRS
+    k = tl.arange(0, BLOCK_K)
+    gate_w = w_desc.load([p0, 0])
+    up_w = w_desc.load([half_n + p0, 0])
+    wait_for_previous_kernel(PDL)
+    if NORM_IN:  # its partial sums' latency under the loop's
+        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
+    xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    gate = gate_w.to(tl.float32) * xk[None, :]
+    up = up_w.to(tl.float32) * xk[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        gate_w = w_desc.load([p0, k0])
+        up_w = w_desc.load([half_n + p0, k0])
+        xk = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        gate += gate_w.to(tl.float32) * xk[None, :]
+        up += up_w.to(tl.float32) * xk[None, :]
+    g = tl.sum(gate, axis=1)
+    u = tl.sum(up, axis=1)
+    if NORM_IN:
+        g *= factor
+        u *= factor
+    # Gate and up rounded to out's dtype first, as the projection then the SiLU·up kernel would.
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    pairs = p0 + tl.arange(0, PAIRS)
+    tl.store(out_ptr + pairs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=pairs < half_n)
 
 
 @triton.jit
@@ -177,6 +215,22 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
+def tma_config(element_size: int) -> dict[str, int]:
+    """_float_gemv_tma_kernel's tiling: 8 pairs (16 weight rows) a program of 2 warps, 512 bytes of
+    each row a step, 3 steps in flight (the fastest of 80 TMA tilings on the 1B shape's gate/up;
+    docs/performance.md)."""
+    return dict(PAIRS=8, BLOCK_K=512 // element_size, STAGES=3, num_warps=2)
+
+
+def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one row of SiLU·up over this merged gate/up weight takes _float_gemv_tma_kernel: a
+    wide weight of the large tiling, on a GPU with the tensor memory accelerator (or Triton's
+    interpreter), its rows 16-byte aligned as TMA needs."""
+    out_features, in_features = weight.shape
+    return (large_tiling(out_features, in_features) and out_features >= in_features and out_features % 2 == 0
+            and has_tma(x) and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
+
+
 # By dtype, the most rows the float layers send through our kernels (the few-row one at
 # rows_config's tiling): faster than cuBLAS and the separate kernels at 2-16 rows of bf16
 # in the engine (docs/performance.md, What helped). float32's tensor-core dots are exact (IEEE) and
@@ -220,6 +274,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     add_norm (residual [1, N], norm weight [N]) out is h * norm weight, and the new residual h and
     the sums of squares per row tile come too (else None, None); with rope, out is the rotated q
     [1, heads, head_dim] and k and v are in the caches."""
+    if silu_mul and bias is None and tma_fits(x, weight):
+        return _gemv_tma(x, weight, norm_in), None, None
     out_features, in_features = weight.shape
     outputs = out_features // 2 if silu_mul else out_features
     cfg = gemv_config(out_features, in_features, weight.element_size())
@@ -237,6 +293,22 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         ADD_NORM=add_norm is not None, ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl,
         num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
+
+
+def _gemv_tma(x: torch.Tensor, weight: torch.Tensor, norm_in: NormScale | None) -> torch.Tensor:
+    """One row x [1, K] of SiLU·up over a merged gate/up weight (tma_fits) through
+    _float_gemv_tma_kernel: [1, N / 2]."""
+    out_features, in_features = weight.shape
+    cfg = tma_config(weight.element_size())
+    pairs = cfg.pop("PAIRS")
+    out = torch.empty(1, out_features // 2, dtype=x.dtype, device=x.device)
+    desc = TensorDescriptor.from_tensor(weight, [pairs, cfg["BLOCK_K"]])
+    norm_args, _, _ = norm_arguments(out, 1, norm_in, None)
+    pdl = programmatic_launch(x)
+    _float_gemv_tma_kernel[(triton.cdiv(out_features // 2, pairs),)](
+        x, desc, out, out_features // 2, in_features, *norm_args[:3], PAIRS=pairs, NORM_IN=norm_in is not None,
+        PDL=pdl, **cfg, **launch_options(pdl))
+    return out
 
 
 def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,

@@ -105,13 +105,14 @@ def _row_key(seed, counter):
 
 @triton.jit
 def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, seeds_ptr, counters_ptr, part_val_ptr, part_idx_ptr,
-                          count_ptr, out_ptr,
+                          count_ptr, out_ptr, host_ptr, host_slot_ptr, host_stride,
                           V, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                          LIBDEVICE: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, HOST: tl.constexpr):
     """Program (row, chunk): the first maximum of its CHUNK scores (plus noise where the row
     samples); the row's last chunk to finish picks the first chunk holding the row's maximum.
     LIBDEVICE: the logs and the division of CUDA's libdevice, as torch's CUDA kernels (off in
-    Triton's interpreter, which has only numpy's)."""
+    Triton's interpreter, which has only numpy's). HOST: the id also into row *host_slot_ptr of
+    host_ptr, pinned host memory the GPU writes itself (no copy to the host after the kernel)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temps_ptr + row)
@@ -148,7 +149,10 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, seeds_ptr, counters
         values = tl.load(part_val_ptr + row * CHUNKS + chunks, mask=chunks < CHUNKS, other=float("-inf"),
                          cache_modifier=".cg")
         first = tl.argmax(values, axis=0, tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(part_idx_ptr + row * CHUNKS + first, cache_modifier=".cg"))
+        token = tl.load(part_idx_ptr + row * CHUNKS + first, cache_modifier=".cg")
+        tl.store(out_ptr + row, token)
+        if HOST:
+            tl.store(host_ptr + tl.load(host_slot_ptr) * host_stride + row, token)
         tl.store(count_ptr + row, 0)
 
 
@@ -156,11 +160,13 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: each row's arrived
 
 
 def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None,
+                         host: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): temperatures
     [B] float32 (or int64 holding float32 bits), seeds [B] int64 (int64_seeds) and counters [B]
-    int64; the ids into `out` (int64 [B]) if given. The per-row arrival counters are made on a
-    first call, which precedes any capture (graphs are warmed up first)."""
+    int64; the ids into `out` (int64 [B]) if given, and with `host` (pinned int64 [slots, >= B], a
+    device int64 slot index) into that row of the host tensor too. The per-row arrival counters are
+    made on a first call, which precedes any capture (graphs are warmed up first)."""
     rows, vocab = scores.shape
     device = scores.device
     # About eight programs per SM over the batch (each loads a 4 KB block at a time), each at least
@@ -175,9 +181,11 @@ def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds
     part_idx = torch.empty(rows, chunks, dtype=torch.int64, device=device)
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=device)
+    host_ids, host_slot = host if host is not None else (out, out)
     _gumbel_argmax_kernel[(rows, chunks)](
-        scores, scores.stride(0), temperatures, seeds, counters, part_val, part_idx, counts, out, vocab, CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=max(triton.next_power_of_2(chunks), 2), BLOCK=1024,
-        LIBDEVICE=scores.is_cuda, num_warps=4)
+        scores, scores.stride(0), temperatures, seeds, counters, part_val, part_idx, counts, out, host_ids, host_slot,
+        host_ids.stride(0), vocab, CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=max(triton.next_power_of_2(chunks), 2),
+        BLOCK=1024, LIBDEVICE=scores.is_cuda, HOST=host is not None, num_warps=4)
     return out
 
 

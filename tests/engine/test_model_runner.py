@@ -11,7 +11,7 @@ import torch
 import engine.model_runner as model_runner
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import cache_slots, inputs_with_tables
+from engine.model_runner import _HostRing, cache_slots, inputs_with_tables
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Request, Sequence
@@ -78,3 +78,18 @@ def test_a_decode_graphs_tables_ride_in_its_input_copy_while_they_are_short(monk
     assert rows[:2, 3:].eq(scratch).all() and rows[2:, 3:].eq(-1).all()  # only up to the last row's blocks
     monkeypatch.setattr(model_runner, "ONE_COPY_TABLE_ENTRIES", 2 * max_blocks + 2)  # the third row's 3 blocks: 15
     assert inputs_with_tables(inputs, tables, max_blocks, scratch) is None
+
+
+def test_host_ring_rows_are_read_until_taken_again() -> None:
+    # Decode graphs write their drawn ids into the ring's rows in turn; a step's ids read after its
+    # row was taken by a later step would be that step's: refused.
+    ring = _HostRing(8, torch.device("cpu"))
+    first = ring.take()
+    ring.ids[first, :3] = torch.tensor([5, 6, 7])
+    ids = ring.read(first, 3)
+    for _ in range(_HostRing.ROWS - 1):
+        assert ring.take() != first
+    assert ids.tolist() == [5, 6, 7]
+    assert ring.take() == first
+    with pytest.raises(RuntimeError, match="written again"):
+        ids.tolist()

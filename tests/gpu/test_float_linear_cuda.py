@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_mul
-from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv
+from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv, tma_fits
 from kernels.rmsnorm import rms_norm
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
@@ -48,7 +48,11 @@ def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -
         if name == "gate_up":
             with nan_poisoned_allocations():
                 fused = float_linear(x, w, silu_mul=True)
-            assert torch.equal(fused, silu_mul(float_linear(x, w))), name
+            apart = silu_mul(float_linear(x, w))
+            if rows == 1 and tma_fits(x, w):  # TMA's kernel sums in steps of its own: as close as bf16 allows
+                assert rel_err(fused, apart) < 1e-2, name
+            else:  # the same sums, rounded to x's dtype before SiLU·up as the activation kernel does
+                assert torch.equal(fused, apart), name
 
 
 @torch.inference_mode()

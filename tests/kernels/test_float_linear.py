@@ -11,8 +11,9 @@ import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
 from kernels.float_linear import (ROWS_GEMV_MOST, PackedWeight, dense, float_linear, float_linear_add_norm,
-                                 float_linear_ref, fused_rows, gemv_config, rows_config, rows_gemv_fits)
-from kernels.rmsnorm import add_norm_ref, rms_norm_ref
+                                 float_linear_ref, fused_rows, gemv_config, rows_config, rows_gemv_fits, tma_config,
+                                 tma_fits)
+from kernels.rmsnorm import NormScale, add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -96,6 +97,37 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
         ulp = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=2e-5)
         torch.testing.assert_close(fused, apart, **ulp)
     torch.testing.assert_close(fused, float_linear_ref(x, weight, bias, silu_mul=True), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_in", [False, True])
+def test_tma_gemv_silu_mul_matches_the_reference(triton_interpreter, monkeypatch, dtype, norm_in) -> None:
+    # A wide gate/up weight of the large tiling streams through TMA: 164 pairs (the last program's
+    # part past the edge) over 296 inputs (a partial last step, loaded as zeros), with the next
+    # projection's norm factor or without.
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
+    gen = torch.Generator().manual_seed(300)
+    in_features, out_features = 296, 328
+    weight = _weights(gen, out_features, in_features, dtype)
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    norm = NormScale(torch.rand(1, 5, generator=gen) * in_features, 1e-5) if norm_in else None
+    cfg = tma_config(weight.element_size())
+    assert tma_fits(x, weight) and (out_features // 2) % cfg["PAIRS"] and in_features % cfg["BLOCK_K"]
+    with nan_poisoned_allocations():
+        out = float_linear(x, weight, silu_mul=True, norm_in=norm)
+    reference = float_linear_ref(x if norm is None else norm.apply(x), weight, silu_mul=True)
+    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
+
+
+def test_tma_takes_wide_large_weights_only(triton_interpreter, monkeypatch) -> None:
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 64 * 64)
+    x = torch.zeros(1, 64, dtype=torch.float16)
+    assert tma_fits(x, torch.zeros(128, 64, dtype=torch.float16))
+    assert not tma_fits(x, torch.zeros(32, 64, dtype=torch.float16))  # small
+    assert not tma_fits(torch.zeros(1, 128), torch.zeros(64, 128))  # deep (down)
+    assert not tma_fits(torch.zeros(1, 63, dtype=torch.float16), torch.zeros(128, 63, dtype=torch.float16))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not tma_fits(x, torch.zeros(128, 64, dtype=torch.float16))  # a CPU tensor, no interpreter
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

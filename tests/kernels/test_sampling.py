@@ -53,3 +53,16 @@ def test_gumbel_argmax_takes_temperatures_as_float32_bits() -> None:
     out = gumbel_argmax_triton(logits, bits, *args)
     assert torch.equal(out, gumbel_argmax_triton(logits, torch.tensor(temperatures), *args))
     assert torch.equal(out, gumbel_argmax_ref(logits, temperatures, seeds, counters))
+
+
+def test_gumbel_argmax_also_writes_the_ids_into_a_host_row() -> None:
+    # A decode graph's draw writes its ids into the host ring's row named by a device scalar too
+    # (pinned memory on a GPU; a CPU tensor here), beside the rows it leaves alone.
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1500, generator=g)
+    host = torch.full((4, 5), -1, dtype=torch.int64)
+    out = gumbel_argmax_triton(logits, torch.tensor([0.0, 0.7, 1.0]), torch.tensor(int64_seeds([1, 2, 3])),
+                               torch.tensor([4, 5, 6]), host=(host, torch.tensor([2])))
+    assert torch.equal(out, gumbel_argmax_ref(logits, [0.0, 0.7, 1.0], [1, 2, 3], [4, 5, 6]))
+    assert host[2, :3].tolist() == out.tolist() and (host[2, 3:] == -1).all()
+    assert (host[[0, 1, 3]] == -1).all()
