@@ -31,6 +31,7 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import pinned, programmatic_launches, to_device, use_triton
 from kernels.sampling import gumbel_argmax_triton
+from kernels.staging import maps_pinned_memory, stage
 
 log = logging.getLogger("minillm.engine")
 
@@ -124,19 +125,38 @@ class _HostRing:
     def read(self, row: int, n: int) -> HostIds:
         return HostIds(self.ids[row, :n], self.uses, row, self.uses[row])
 
-    @staticmethod
-    def writable(device: torch.device) -> bool:
-        """Whether Triton kernels on `device` write pinned host memory here (the draw, tried once)."""
-        try:
-            ids = torch.zeros(1, 1, dtype=torch.int64, pin_memory=True)
-            scores = torch.tensor([[0.0, 1.0]], device=device)
-            zero = torch.zeros(1, dtype=torch.int64, device=device)
-            gumbel_argmax_triton(scores, zero, zero, zero, host=(ids, zero))
-            torch.cuda.synchronize(device)
-            return ids.item() == 1
-        except (RuntimeError, ValueError) as e:  # a platform without mapped pinned memory
-            log.warning("sampled ids are copied to the host after each step: %s", e)
-            return False
+
+class _InputRing:
+    """Pinned host rows that the decode graphs' first kernel reads their inputs from
+    (kernels/staging.py), so no copy to the device precedes the graph. Step k writes row k % ROWS,
+    after the graph that read it ROWS steps before has (the kernel notes each row it consumed)."""
+
+    ROWS = 4
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.rows = torch.zeros(self.ROWS, width + 1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.consumed = torch.full((self.ROWS,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # the graphs count on
+        self._rows, self._consumed = self.rows.numpy(), self.consumed.numpy()
+        self.taken = 0
+
+    def reset(self) -> None:
+        """Forget the capture's warm-up runs (each counted a step): call with the device idle."""
+        self.counter.zero_()
+        self._consumed[:] = -1
+        self.taken = 0
+
+    def put(self, values: np.ndarray) -> None:
+        """The next replayed decode graph's inputs (int32; none: it keeps what a copy put there)."""
+        step, row = self.taken, self.taken % self.ROWS
+        if step >= self.ROWS and self._consumed[row] < step - self.ROWS:
+            if self.counter.is_cuda:  # the engine reads steps sooner; a bench may not
+                torch.cuda.current_stream().synchronize()
+            if self._consumed[row] < step - self.ROWS:
+                raise RuntimeError("a decode graph did not consume its inputs")
+        self._rows[row, 0] = len(values)
+        self._rows[row, 1: 1 + len(values)] = values
+        self.taken += 1
 
 
 class _DecodeGraph:
@@ -165,8 +185,11 @@ class _DecodeGraph:
         model, kv, vocab = runner.model, runner.kv_cache, runner.sampler.vocab_size
         self.prev_tokens = runner.prev_tokens  # shared by every graph: the previous step's sampled ids
         host = (runner.host_ring.ids, self.inputs[8]) if runner.host_ring is not None else None
+        ring = self.ring = runner.input_ring
 
         def forward() -> torch.Tensor:
+            if ring is not None:  # the inputs, from the host ring's row for this step
+                stage(ring.rows, ring.counter, ring.consumed, self.buffer)
             logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
             # Drawn into prev_tokens, where the next step's placeholders look, after this step read them.
@@ -192,11 +215,15 @@ class _DecodeGraph:
                            step.seq_lens + [1] * pad, fresh + [0] * pad, seeds + [0] * pad, counters + [0] * pad,
                            bits + [0] * pad, [ring_row] * self.batch], dtype=np.int64)
         host = inputs_with_tables(inputs, step.block_tables, self.max_blocks, scratch_block)
-        if host is not None:  # one copy
+        if host is not None and self.ring is not None:  # the graph reads them itself
+            self.ring.put(host)
+        elif host is not None:  # one copy
             self.buffer[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         else:
             self.inputs.copy_(torch.from_numpy(inputs).pin_memory(), non_blocking=True)
             copy_tables(self.tables, step.block_tables, scratch_block)
+            if self.ring is not None:
+                self.ring.put(np.empty(0, dtype=np.int32))  # the kernel copies nothing
         self.graph.replay()
         return self.logits[:n]
 
@@ -299,10 +326,17 @@ class ModelRunner:
         self.prev_tokens = torch.zeros(max(GRAPH_BATCH_SIZES), dtype=torch.int64, device=self.device)
         self._followed: torch.Tensor | None = None  # on ranks other than 0: rank 0's last sampled ids
         self.host_ring: _HostRing | None = None
+        self.input_ring: _InputRing | None = None
         if use_cuda_graphs and self.device.type == "cuda":
-            if _HostRing.writable(self.device):
+            if maps_pinned_memory(self.device):
                 self.host_ring = _HostRing(max(GRAPH_BATCH_SIZES), self.device)
+                self.input_ring = _InputRing(18 * max(GRAPH_BATCH_SIZES) + ONE_COPY_TABLE_ENTRIES, self.device)
+            else:
+                log.warning("decode steps copy their inputs to the device and their sampled ids back")
             self._capture(max_rows, max_num_batched_tokens)
+            if self.input_ring is not None:
+                torch.cuda.synchronize(self.device)
+                self.input_ring.reset()
 
     @torch.inference_mode()
     def _capture(self, max_rows: int, max_num_batched_tokens: int) -> None:

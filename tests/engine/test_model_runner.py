@@ -11,10 +11,11 @@ import torch
 import engine.model_runner as model_runner
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import _HostRing, cache_slots, inputs_with_tables
+from engine.model_runner import _HostRing, _InputRing, cache_slots, inputs_with_tables
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Request, Sequence
+from kernels.staging import stage_ref
 
 
 @pytest.mark.parametrize("start,end", [(0, 300), (5, 300), (16, 17), (15, 17), (31, 32), (40, 40)])
@@ -93,3 +94,23 @@ def test_host_ring_rows_are_read_until_taken_again() -> None:
     assert ring.take() == first
     with pytest.raises(RuntimeError, match="written again"):
         ids.tolist()
+
+
+def test_input_ring_rows_are_rewritten_only_once_consumed() -> None:
+    # Each decode graph's first kernel (stage_ref here) copies the step's row and notes it consumed;
+    # the host rewrites a row only after the graph that read it has.
+    ring, dst = _InputRing(6, torch.device("cpu")), torch.zeros(6, dtype=torch.int32)
+    ring.counter += 3  # a capture's warm-up runs counted steps
+    ring.reset()
+    for step in range(2 * _InputRing.ROWS):
+        values = np.arange(step % 5 + 1, dtype=np.int32) + 10 * step
+        ring.put(values)
+        stage_ref(ring.rows, ring.counter, ring.consumed, dst)
+        assert dst[: len(values)].tolist() == values.tolist()
+    ring.put(np.empty(0, dtype=np.int32))  # a step whose inputs were copied: the kernel copies nothing
+    stage_ref(ring.rows, ring.counter, ring.consumed, dst)
+    assert dst[:3].tolist() == [70, 71, 72]
+    for _ in range(_InputRing.ROWS):  # steps launched and not yet run: the next takes the first one's row
+        ring.put(np.ones(2, dtype=np.int32))
+    with pytest.raises(RuntimeError, match="did not consume"):
+        ring.put(np.ones(2, dtype=np.int32))

@@ -62,6 +62,8 @@ def main(shard: int = 0, shards: int = 1) -> int:
     from engine.packed_prefill import prompt_logits
     from kernels.decode_attention import decode_attention_triton
     from kernels.embedding import embed_rms_norm
+    from kernels.sampling import gumbel_argmax_triton
+    from kernels.staging import stage
 
     # The few-row kernels too, which the layers leave to cuBLAS for FP8, INT4 and float32.
     split_k.FUSED_ROWS = split_k.FEW_ROWS
@@ -95,6 +97,11 @@ def main(shard: int = 0, shards: int = 1) -> int:
                                     torch.tensor([5, 40], dtype=lengths), 0.125, splits)
         embed_rms_norm(torch.tensor([-1, 3]), torch.tensor([2]), torch.zeros(8, 64, dtype=torch.bfloat16),
                        torch.ones(64, dtype=torch.bfloat16), 1e-5)
+        # A decode graph's first kernel (its inputs from host rows) and its draw into a host row.
+        stage(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+              torch.zeros(8, dtype=torch.int32))
+        zeros = torch.zeros(2, dtype=torch.int64)
+        gumbel_argmax_triton(torch.zeros(2, 300), zeros, zeros, zeros, host=(torch.zeros(4, 2, dtype=torch.int64), zeros))
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
     return 0
 
