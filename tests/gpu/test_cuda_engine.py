@@ -7,11 +7,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import _InputRing
+from kernels.staging import stage
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -69,6 +72,7 @@ def test_cuda_graph_decode_matches_eager_steps(params: dict) -> None:
     config = dict(model="random:llama-3.2-1b", device="cuda", kv_cache_memory="2GiB", max_num_seqs=8)
     graphed = LLMEngine(EngineConfig(**config))
     assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    assert graphed.runner.input_ring is not None and graphed.runner.host_ring is not None  # mapped pinned memory
     graphed.runner.prefill_graphs.clear()  # the same prefill GEMMs as the eager engine's (their own test below)
     drawn, read = [], graphed.runner.sampler.drawn
     graphed.runner.sampler.drawn = lambda *args: (drawn.append(1), read(*args))[1]
@@ -77,6 +81,22 @@ def test_cuda_graph_decode_matches_eager_steps(params: dict) -> None:
     got = [r.token_ids for r in graphed.generate(prompts, sampling)]
     assert got == [r.token_ids for r in eager.generate(prompts, sampling)]
     assert bool(drawn) == ("top_p" not in params)
+    assert graphed.runner.input_ring.taken > 0
+
+
+def test_input_ring_feeds_kernels_queued_back_to_back() -> None:
+    """The host queues steps ahead of a busy device: each stage reads its own step's row, and a row
+    is rewritten only once read (put waits for the device when it would come round too soon)."""
+    device = torch.device("cuda")
+    ring, dst = _InputRing(64, device), torch.zeros(64, dtype=torch.int32, device=device)
+    outs = []
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of the copies
+    for step in range(3 * _InputRing.ROWS):
+        ring.put(np.full(8, step, dtype=np.int32))
+        stage(ring.rows, ring.counter, ring.consumed, dst)
+        outs.append(dst[:8].clone())
+    torch.cuda.synchronize()
+    assert [o.tolist() for o in outs] == [[step] * 8 for step in range(3 * _InputRing.ROWS)]
 
 
 def test_prefill_graphs_match_eager_steps() -> None:
