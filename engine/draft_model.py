@@ -65,10 +65,14 @@ class DraftModelProposer(Proposer):
     """Drafts sampled from a small model for every drafting sequence at once (see the module docstring)."""
 
     def __init__(self, model: DecoderModel, num_tokens: int, num_blocks: int, block_size: int, max_model_len: int,
-                 sample_vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+                 sample_vocab_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 cuda_graphs: bool = True) -> None:
         self.num_tokens = num_tokens
-        self.runner = ModelRunner(model, num_blocks, block_size, max_model_len, max_num_seqs, use_cuda_graphs=False,
-                                  sample_vocab_size=sample_vocab_size)
+        # On CUDA the one-token steps replay decode graphs (which draw plain rows themselves) and the
+        # catch-up steps prefill graphs, where they fit: a small model's step is mostly launches.
+        self.runner = ModelRunner(model, num_blocks, block_size, max_model_len, max_num_seqs,
+                                  use_cuda_graphs=cuda_graphs, sample_vocab_size=sample_vocab_size,
+                                  max_num_batched_tokens=max_num_batched_tokens)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = model.cfg.vocab_size
@@ -98,19 +102,23 @@ class DraftModelProposer(Proposer):
         proposals, logits = self._catch_up(seqs, limits)
         sampled: list[torch.Tensor] = []  # each step's sampled ids, on the device
         total = 0  # rows sampled in the steps before
+        prev: torch.Tensor | None = None  # the last step's sampled ids: the next step's placeholders
         for step in range(max((p.count for p in proposals), default=0)):
             active = [p for p in proposals if p.count > step]
-            if step:
-                logits = self.runner.forward(self._next_step(active, step), sampled[-1])
             rows = []
-            for i, p in enumerate(active):
-                p.row = i
-                p.rows.append(total + i)
+            for p in active:
                 seq = p.seq
                 # The target's (seed, position) noise: the two draws agree wherever their winners do.
                 rows.append(SampleRow(seq.request.params, seq.seed, seq.num_tokens + step,
                                       seq.request.prompt_token_ids, ()))
-            sampled.append(self.runner.sampler(logits, rows).token_ids)
+            if step:
+                logits = self.runner.forward(self._next_step(active, step, len(prev)), prev, rows)
+            for i, p in enumerate(active):
+                p.row = i
+                p.rows.append(total + i)
+            prev = self.runner.draw(logits, rows).token_ids
+            # A decode graph draws into its runner's placeholder buffer, which the next replay overwrites.
+            sampled.append(prev.clone() if self.runner.graphs else prev)
             total += len(active)
         if not sampled:
             return
@@ -161,17 +169,19 @@ class DraftModelProposer(Proposer):
             return [], None
         return proposals, self.runner.forward(step, None)
 
-    def _next_step(self, proposals: list[_Proposal], step: int) -> StepInputs:
+    def _next_step(self, proposals: list[_Proposal], step: int, prev_rows: int) -> StepInputs:
         """A one-token step per proposal: its last draft (a placeholder for the previous step's
-        sampled id) at that draft's position."""
+        sampled id, of prev_rows) at that draft's position; a decode graph's, where one is captured."""
         bs = self.block_size
         positions = [p.seq.num_tokens + step - 1 for p in proposals]
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=[placeholder(p.row) for p in proposals], positions=positions,
             slots=[p.kv.blocks[pos // bs] * bs + pos % bs for p, pos in zip(proposals, positions)],
             query_lens=[1] * len(proposals), seq_lens=[pos + 1 for pos in positions],
             block_tables=[p.kv.blocks for p in proposals], block_copies=[],
-            logit_rows=list(range(len(proposals))), graph_batch=None, has_prev=True)
+            logit_rows=list(range(len(proposals))), graph_batch=None, has_prev=True, decodes=True)
+        inputs.graph_batch = self.runner.graph_for(inputs, prev_rows)
+        return inputs
 
     def _fork(self, seq: Sequence) -> _DraftKV:
         """A sequence's first draft KV: the full blocks of its prompt that a sibling (another sample

@@ -156,7 +156,7 @@ class LLMEngine:
                  num_blocks * config.block_size * draft.kv_bytes_per_token() / 2**20)
         return DraftModelProposer(draft, config.num_speculative_tokens, num_blocks, config.block_size,
                                   self.max_model_len, self.sample_vocab_size, config.max_num_seqs,
-                                  config.batched_tokens())
+                                  config.batched_tokens(), config.cuda_graphs)
 
     def close(self) -> None:
         """Stop the grammar worker and the other tensor-parallel ranks."""

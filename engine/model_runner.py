@@ -374,16 +374,19 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
         """Launch the sampling of launch's logits (one row per sampling sequence, in order) and the
-        copy of the ids to the host; the other ranks take them too, for their next placeholders.
-        Rows the decode graph drew (launch's rows) are only read."""
-        drawn, self._drawn = self._drawn, None
-        if drawn is not None and drawn[0] is logits and mask is None:
-            sampled = self.sampler.drawn(logits, drawn[1], rows, drawn[2])
-        else:
-            sampled = self.sampler(logits, rows, mask)
+        copy of the ids to the host; the other ranks take them too, for their next placeholders."""
+        sampled = self.draw(logits, rows, mask)
         self.model.tp.broadcast(sampled.token_ids)
         sampled.start_copy()
         return sampled
+
+    def draw(self, logits: torch.Tensor, rows: list[SampleRow], mask: torch.Tensor | None = None) -> SamplerOutput:
+        """The sampled ids of launch's logits, on the device (no copy started). Rows the decode
+        graph drew (launch's rows) are only read: their ids lie in prev_tokens until the next replay."""
+        drawn, self._drawn = self._drawn, None
+        if drawn is not None and drawn[0] is logits and mask is None:
+            return self.sampler.drawn(logits, drawn[1], rows, drawn[2])
+        return self.sampler(logits, rows, mask)
 
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
@@ -435,7 +438,7 @@ class ModelRunner:
         # reference would gather a sequence's keys once a row, so there it stays a query a sequence.
         if step.decodes and len(input_ids) > len(computing) and use_triton(self.kv_cache):
             self._token_rows(step, computing)
-        step.graph_batch = self._graph_for(step, prev_rows) if step.decodes else None
+        step.graph_batch = self.graph_for(step, prev_rows) if step.decodes else None
         return step
 
     @staticmethod
@@ -481,7 +484,7 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
-    def _graph_for(self, step: StepInputs, prev_rows: int | None) -> int | None:
+    def graph_for(self, step: StepInputs, prev_rows: int | None) -> int | None:
         """The captured graph of a step of decode rows, each sampling its own logits, if one is large enough."""
         if not self.graphs or (prev_rows is not None and prev_rows > len(self.prev_tokens)):
             return None

@@ -125,8 +125,8 @@ def test_prefill_graphs_match_eager_steps() -> None:
 
 @pytest.mark.parametrize("method", ["ngram", "ngram-ahead", "draft"])
 def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
-    """Verify steps replay the decode graphs, a row per token (and the draft model runs eagerly on
-    the same GPU): greedy and seeded outputs are those without speculation, and no block is left
+    """Verify steps replay the decode graphs, a row per token (and the draft model's one-token steps
+    its own decode graphs, on the same GPU): greedy and seeded outputs are those without speculation, and no block is left
     held. float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do;
     decode attention reads the drafts' keys only after the kernel that writes them. "ahead": every
     step goes ahead of the step with drafts in flight, its first rows placeholders for that step's
@@ -147,17 +147,19 @@ def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
         spec.scheduler.lookahead.min_progress = 0.0
         spec.scheduler.lookahead.gate = None
     plain = LLMEngine(EngineConfig(**config))
-    replays = []
-    for graph in spec.runner.graphs.values():
-        graph.graph.replay = (lambda g: lambda: (replays.append(g.batch), type(g.graph).replay(g.graph))[1])(graph)
+    replays, draft_replays = [], []
+    proposer = spec.scheduler.proposer
+    for runner, log in [(spec.runner, replays)] + ([(proposer.runner, draft_replays)] if method == "draft" else []):
+        for graph in runner.graphs.values():
+            graph.graph.replay = (lambda g, log: lambda: (log.append(g.batch), type(g.graph).replay(g.graph))[1])(
+                graph, log)
     got = [r.token_ids for r in spec.generate(prompts, params)]
     assert got == [r.token_ids for r in plain.generate(prompts, params)]
     # Going ahead of every step, the random model's drafts past a guess were all rejected on the H200.
     assert (spec.draft_tokens_total if ahead else spec.accepted_draft_tokens_total) > 0
     assert max(replays) > len(prompts)  # more rows than sequences: verify steps
     assert spec.block_manager.num_used_blocks == 0
-    proposer = spec.scheduler.proposer
-    assert method != "draft" or len(proposer.free_blocks) == proposer.num_blocks
+    assert method != "draft" or (len(proposer.free_blocks) == proposer.num_blocks and draft_replays)
 
 
 def test_kv_budget_comes_from_gpu_memory_utilization() -> None:
