@@ -31,7 +31,7 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from kernels.attention import AttentionMetadata
 from kernels.dispatch import pinned, programmatic_launches, to_device, use_triton
 from kernels.sampling import gumbel_argmax_triton
-from kernels.staging import maps_pinned_memory, stage
+from kernels.staging import HEAD, maps_pinned_memory, stage
 
 log = logging.getLogger("minillm.engine")
 
@@ -129,33 +129,29 @@ class _HostRing:
 class _InputRing:
     """Pinned host rows that the decode graphs' first kernel reads their inputs from
     (kernels/staging.py), so no copy to the device precedes the graph. Step k writes row k % ROWS,
-    after the graph that read it ROWS steps before has (the kernel notes each row it consumed)."""
+    headed by k and the graph's batch, after the graph that read it ROWS steps before has (the
+    kernel notes each row it consumed)."""
 
     ROWS = 4
 
     def __init__(self, width: int, device: torch.device) -> None:
-        self.rows = torch.zeros(self.ROWS, width + 1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.consumed = torch.full((self.ROWS,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pin = device.type == "cuda"
+        self.rows = torch.zeros(self.ROWS, HEAD + width, dtype=torch.int32, pin_memory=pin)
+        self.consumed = torch.full((self.ROWS,), -1, dtype=torch.int64, pin_memory=pin)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # the graphs count on
         self._rows, self._consumed = self.rows.numpy(), self.consumed.numpy()
         self.taken = 0
 
-    def reset(self) -> None:
-        """Forget the capture's warm-up runs (each counted a step): call with the device idle."""
-        self.counter.zero_()
-        self._consumed[:] = -1
-        self.taken = 0
-
-    def put(self, values: np.ndarray) -> None:
-        """The next replayed decode graph's inputs (int32; none: it keeps what a copy put there)."""
+    def put(self, values: np.ndarray, batch: int) -> None:
+        """The inputs (int32; none: a copy put them there) of the next replay, of the graph of `batch`."""
         step, row = self.taken, self.taken % self.ROWS
         if step >= self.ROWS and self._consumed[row] < step - self.ROWS:
             if self.counter.is_cuda:  # the engine reads steps sooner; a bench may not
                 torch.cuda.current_stream().synchronize()
             if self._consumed[row] < step - self.ROWS:
                 raise RuntimeError("a decode graph did not consume its inputs")
-        self._rows[row, 0] = len(values)
-        self._rows[row, 1: 1 + len(values)] = values
+        self._rows[row, :HEAD] = (step & ((1 << 31) - 1), batch, len(values))
+        self._rows[row, HEAD: HEAD + len(values)] = values
         self.taken += 1
 
 
@@ -189,7 +185,7 @@ class _DecodeGraph:
 
         def forward() -> torch.Tensor:
             if ring is not None:  # the inputs, from the host ring's row for this step
-                stage(ring.rows, ring.counter, ring.consumed, self.buffer)
+                stage(ring.rows, ring.counter, ring.consumed, self.buffer, batch)
             logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
             # Drawn into prev_tokens, where the next step's placeholders look, after this step read them.
@@ -216,14 +212,14 @@ class _DecodeGraph:
                            bits + [0] * pad, [ring_row] * self.batch], dtype=np.int64)
         host = inputs_with_tables(inputs, step.block_tables, self.max_blocks, scratch_block)
         if host is not None and self.ring is not None:  # the graph reads them itself
-            self.ring.put(host)
+            self.ring.put(host, self.batch)
         elif host is not None:  # one copy
             self.buffer[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         else:
             self.inputs.copy_(torch.from_numpy(inputs).pin_memory(), non_blocking=True)
             copy_tables(self.tables, step.block_tables, scratch_block)
             if self.ring is not None:
-                self.ring.put(np.empty(0, dtype=np.int32))  # the kernel copies nothing
+                self.ring.put(np.empty(0, dtype=np.int32), self.batch)  # the kernel copies nothing
         self.graph.replay()
         return self.logits[:n]
 
@@ -334,9 +330,6 @@ class ModelRunner:
             else:
                 log.warning("decode steps copy their inputs to the device and their sampled ids back")
             self._capture(max_rows, max_num_batched_tokens)
-            if self.input_ring is not None:
-                torch.cuda.synchronize(self.device)
-                self.input_ring.reset()
 
     @torch.inference_mode()
     def _capture(self, max_rows: int, max_num_batched_tokens: int) -> None:

@@ -100,17 +100,17 @@ def test_input_ring_rows_are_rewritten_only_once_consumed() -> None:
     # Each decode graph's first kernel (stage_ref here) copies the step's row and notes it consumed;
     # the host rewrites a row only after the graph that read it has.
     ring, dst = _InputRing(6, torch.device("cpu")), torch.zeros(6, dtype=torch.int32)
-    ring.counter += 3  # a capture's warm-up runs counted steps
-    ring.reset()
+    stage_ref(ring.rows, ring.counter, ring.consumed, dst, 4)  # a capture's warm-up: no row is its step's
+    assert ring.counter.tolist() == [0]
     for step in range(2 * _InputRing.ROWS):
         values = np.arange(step % 5 + 1, dtype=np.int32) + 10 * step
-        ring.put(values)
-        stage_ref(ring.rows, ring.counter, ring.consumed, dst)
+        ring.put(values, 4)
+        stage_ref(ring.rows, ring.counter, ring.consumed, dst, 4)
         assert dst[: len(values)].tolist() == values.tolist()
-    ring.put(np.empty(0, dtype=np.int32))  # a step whose inputs were copied: the kernel copies nothing
-    stage_ref(ring.rows, ring.counter, ring.consumed, dst)
+    ring.put(np.empty(0, dtype=np.int32), 4)  # a step whose inputs were copied: the kernel copies nothing
+    stage_ref(ring.rows, ring.counter, ring.consumed, dst, 4)
     assert dst[:3].tolist() == [70, 71, 72]
     for _ in range(_InputRing.ROWS):  # steps launched and not yet run: the next takes the first one's row
-        ring.put(np.ones(2, dtype=np.int32))
+        ring.put(np.ones(2, dtype=np.int32), 4)
     with pytest.raises(RuntimeError, match="did not consume"):
-        ring.put(np.ones(2, dtype=np.int32))
+        ring.put(np.ones(2, dtype=np.int32), 4)

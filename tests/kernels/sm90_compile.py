@@ -99,7 +99,7 @@ def main(shard: int = 0, shards: int = 1) -> int:
                        torch.ones(64, dtype=torch.bfloat16), 1e-5)
         # A decode graph's first kernel (its inputs from host rows) and its draw into a host row.
         stage(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
-              torch.zeros(8, dtype=torch.int32))
+              torch.zeros(8, dtype=torch.int32), 8)
         zeros = torch.zeros(2, dtype=torch.int64)
         gumbel_argmax_triton(torch.zeros(2, 300), zeros, zeros, zeros, host=(torch.zeros(4, 2, dtype=torch.int64), zeros))
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
