@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"{name:12s} batch {batch:2d} {system:32s} {row['value']:8.1f} tok/s"
                     + (f"  acceptance {row['acceptance']}  x{row['speedup']}" if system != PLAIN else ""))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    partial = bool(args.workloads) or args.smoke or not {1, 8} <= set(args.batches)  # the batches
-    return dict(bench="spec", device=args.device, gpu=gpu, dtype=args.dtype, model=args.model, date=datetime.date.today().isoformat(),
-                commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
+    partial = bool(args.workloads) or args.smoke or not {1, 8} <= set(args.batches)  # a full run has both
+    return dict(bench="spec", device=args.device, gpu=gpu, dtype=args.dtype, model=args.model,
+                date=datetime.date.today().isoformat(), commit=git_commit(), method=args.method, speculative_model=args.speculative_model,
                 num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
                 gated=not args.ungated, overlap=args.overlap,
                 batches=args.batches, max_tokens=args.max_tokens, reps=args.reps, partial=partial, rows=rows)

@@ -79,7 +79,7 @@ class SamplerOutput:
         if self.token_ids.device.type != "cuda":
             return
         first, rest = self._tensors[0], self._tensors[1:]
-        self._tensors = [self._host_ids or first.to("cpu", non_blocking=True),
+        self._tensors = [self._host_ids if self._host_ids is not None else first.to("cpu", non_blocking=True),
                          *(t.to("cpu", non_blocking=True) for t in rest)]
         self._event = torch.cuda.Event()
         self._event.record()

@@ -1,8 +1,9 @@
 """Linear layers over float weights (bf16, fp16, fp32) W [N, K]: for decode, a one-row Triton GEMV
-(batch 1, and a two-row version of it for small weights; a wide gate/up weight's streamed by TMA on
-Hopper) and a few-row tensor-core kernel (up to FEW_ROWS rows), all with the epilogues the quantized one-row kernels have (kernels/split_k.py):
-SiLU·up, the add-norm that leaves the next norm to the next projection, that projection's scaled
-outputs, and RoPE with the KV write (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
+(batch 1, and a two-row version of it for small weights; a wide gate/up weight streamed through TMA
+on Hopper) and a few-row tensor-core kernel (up to FEW_ROWS rows), all with the epilogues the
+quantized one-row kernels have (kernels/split_k.py): SiLU·up, the add-norm that leaves the next
+norm to the next projection, that projection's scaled outputs, and RoPE with the KV write
+(kernels/rope.py). Larger batches go to cuBLAS (F.linear).
 
 Against cuBLAS the kernels save more than their own time: their epilogues take the norm, SiLU·up and
 RoPE kernels of a decode layer with them, and they launch with PDL (the GEMVs read their first

@@ -135,8 +135,8 @@ def test_prefill_graphs_match_eager_steps() -> None:
 @pytest.mark.parametrize("method", ["ngram", "ngram-ahead", "draft"])
 def test_speculation_keeps_the_outputs_on_cuda(method: str) -> None:
     """Verify steps replay the decode graphs, a row per token (and the draft model's one-token steps
-    its own decode graphs, on the same GPU): greedy and seeded outputs are those without speculation, and no block is left
-    held. float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do;
+    its own decode graphs, on the same GPU): greedy and seeded outputs are those without
+    speculation, and no block is left held. float32, so the verify step's GEMMs (k + 1 rows a sequence) round as the one-row steps do;
     decode attention reads the drafts' keys only after the kernel that writes them. "ahead": every
     step goes ahead of the step with drafts in flight, its first rows placeholders for that step's
     samples, and is stale where they were rejected."""
