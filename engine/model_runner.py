@@ -186,7 +186,10 @@ class _DecodeGraph:
         def forward() -> torch.Tensor:
             if ring is not None:  # the inputs, from the host ring's row for this step
                 stage(ring.rows, ring.counter, ring.consumed, self.buffer, batch)
-            logits = model.compute_logits(model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens))
+            # In the model's dtype: the draw reads it as float32 itself, and the sampler casts what it
+            # takes, so the step has no cast kernel.
+            hidden = model(self.input_ids, self.positions, kv, self.meta, self.prev_tokens)
+            logits = model.compute_logits(hidden, dtype=None)
             # The draw of rows that need nothing else (Sampler.draws): no sampler launches on the host.
             # Drawn into prev_tokens, where the next step's placeholders look, after this step read them.
             self.drawn = gumbel_argmax_triton(logits[:, :vocab], self.inputs[7], self.inputs[5], self.inputs[6],

@@ -127,7 +127,8 @@ def _gumbel_argmax_kernel(scores_ptr, stride_row, temps_ptr, seeds_ptr, counters
     for start in range(begin, end, BLOCK):
         v = start + offs
         ok = v < end
-        x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + v, mask=ok, other=float("-inf"))
+        # A decode graph hands over the model's bf16 logits: read as float32 (exact), as a cast before would.
+        x = tl.load(scores_ptr + row.to(tl.int64) * stride_row + v, mask=ok, other=float("-inf")).to(tl.float32)
         if temperature > 0:
             bits = _mix32_u32(_mix32_u32(v.to(tl.uint32) ^ key1) ^ key2)
             u = ((bits >> 9) * 2 + 1).to(tl.float32) / 16777216.0  # exact: a power of two
@@ -162,11 +163,12 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: each row's arrived
 def gumbel_argmax_triton(scores: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                          out: torch.Tensor | None = None,
                          host: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): temperatures
-    [B] float32 (or int64 holding float32 bits), seeds [B] int64 (int64_seeds) and counters [B]
-    int64; the ids into `out` (int64 [B]) if given, and with `host` (pinned int64 [slots, >= B], a
-    device int64 slot index) into that row of the host tensor too. The per-row arrival counters are
-    made on a first call, which precedes any capture (graphs are warmed up first)."""
+    """gumbel_argmax from device tensors (no host data: a CUDA graph may capture it): scores float32
+    or the model's bf16 / fp16 logits (read as float32), temperatures [B] float32 (or int64 holding
+    float32 bits), seeds [B] int64 (int64_seeds) and counters [B] int64; the ids into `out` (int64
+    [B]) if given, and with `host` (pinned int64 [slots, >= B], a device int64 slot index) into
+    that row of the host tensor too. The per-row arrival counters are made on a first call, which
+    precedes any capture (graphs are warmed up first)."""
     rows, vocab = scores.shape
     device = scores.device
     # About eight programs per SM over the batch (each loads a 4 KB block at a time), each at least

@@ -93,7 +93,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Token ids in, hidden states out; `compute_logits` turns chosen rows into float32 logits.
+    """Token ids in, hidden states out; `compute_logits` turns chosen rows into logits (float32 unless asked).
 
     `quant` is the format of the linear weights: the checkpoint's (cfg.quantization) by default, or
     FP8 for a float checkpoint quantized as it loads."""
@@ -174,7 +174,8 @@ class DecoderModel(nn.Module):
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.head_packed = PackedWeight.of(head, rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits [rows, vocab] of hidden rows, as `dtype` (None: the model's own, a view)."""
         if self.head_packed is not None:
             logits = dense(hidden, self.head_packed.weight, packed=self.head_packed)
         elif self.lm_head is None:
@@ -182,4 +183,5 @@ class DecoderModel(nn.Module):
         else:
             logits = self.lm_head(hidden)
         logits = self.tp.all_gather(logits)
-        return logits[:, : self.cfg.vocab_size].float()
+        logits = logits[:, : self.cfg.vocab_size]
+        return logits if dtype is None else logits.to(dtype)

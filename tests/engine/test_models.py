@@ -60,6 +60,21 @@ def test_half_precision_runs(tiny_model_dir, dtype: str) -> None:
     assert len(result.token_ids) == 8
 
 
+def test_logits_come_in_the_models_dtype_when_asked(tiny_model_dir) -> None:
+    """A decode graph takes the logits in the model's dtype (its draw reads them as float32): the
+    same values as the float32 logits, cut to the vocabulary."""
+    from engine.loader import load_model
+
+    path, _ = tiny_model_dir("tiny-llama3")
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    hidden = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        native, float32 = model.compute_logits(hidden, dtype=None), model.compute_logits(hidden)
+    assert native.dtype == torch.bfloat16 and float32.dtype == torch.float32
+    assert native.shape == float32.shape == (3, model.cfg.vocab_size)
+    assert torch.equal(native.float(), float32)
+
+
 @pytest.mark.parametrize("shape", ["tiny-llama3", "tiny-qwen2"])
 def test_decode_folds_the_norms_and_rope_into_the_float_projections(tiny_model_dir, triton_interpreter, monkeypatch,
                                                                     shape: str) -> None:

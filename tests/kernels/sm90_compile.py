@@ -101,7 +101,9 @@ def main(shard: int = 0, shards: int = 1) -> int:
         stage(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
               torch.zeros(8, dtype=torch.int32), 8)
         zeros = torch.zeros(2, dtype=torch.int64)
-        gumbel_argmax_triton(torch.zeros(2, 300), zeros, zeros, zeros, host=(torch.zeros(4, 2, dtype=torch.int64), zeros))
+        for dtype in (torch.float32, torch.bfloat16):  # the sampler's scores; a decode graph's own logits
+            gumbel_argmax_triton(torch.zeros(2, 300, dtype=dtype), zeros, zeros, zeros,
+                                 host=(torch.zeros(4, 2, dtype=torch.int64), zeros))
     print(f"{len(compiled)} kernel variants compiled for sm_{TARGET.arch}")
     return 0
 

@@ -66,3 +66,14 @@ def test_gumbel_argmax_also_writes_the_ids_into_a_host_row() -> None:
     assert torch.equal(out, gumbel_argmax_ref(logits, [0.0, 0.7, 1.0], [1, 2, 3], [4, 5, 6]))
     assert host[2, :3].tolist() == out.tolist() and (host[2, 3:] == -1).all()
     assert (host[[0, 1, 3]] == -1).all()
+
+
+def test_gumbel_argmax_reads_half_precision_logits_as_float32() -> None:
+    """A decode graph hands the draw the model's own logits (bf16 on a GPU; fp16 here, which the
+    interpreter computes right): the same ids as from the float32 copy the sampler would make."""
+    logits = (4 * torch.randn(5, 3000 + 5, generator=torch.Generator().manual_seed(3))).half()[:, :3000]
+    temperatures, seeds, counters = [0.0, 0.7, 1.0, 0.0, 1.6], [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    args = torch.tensor(temperatures), torch.tensor(int64_seeds(seeds)), torch.tensor(counters)
+    out = gumbel_argmax_triton(logits, *args)
+    assert torch.equal(out, gumbel_argmax_triton(logits.float(), *args))
+    assert torch.equal(out, gumbel_argmax_ref(logits.float(), temperatures, seeds, counters))
