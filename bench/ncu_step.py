@@ -48,13 +48,17 @@ def kernels(lines: list[str]) -> list[dict]:
     return list(found.values())
 
 
+def _kind(kernel: dict) -> str:
+    """A kernel's kind: its name and grid (one projection's launches share both)."""
+    return f'{kernel["kernel"][:40]} {kernel["grid"]}'
+
+
 def by_kind(found: list[dict]) -> list[tuple[str, int, float]]:
-    """(kernel name and grid, calls, µs in all), most time first."""
+    """(kind, calls, µs in all), most time first."""
     sums: dict[str, tuple[int, float]] = {}
     for k in found:
-        key = f'{k["kernel"][:40]} {k["grid"]}'
-        calls, total = sums.get(key, (0, 0.0))
-        sums[key] = (calls + 1, total + k.get("duration_us", 0.0))
+        calls, total = sums.get(_kind(k), (0, 0.0))
+        sums[_kind(k)] = (calls + 1, total + k.get("duration_us", 0.0))
     return sorted(((key, calls, total) for key, (calls, total) in sums.items()), key=lambda r: -r[2])
 
 
@@ -63,9 +67,9 @@ def table(found: list[dict]) -> str:
              "| kernel | grid | calls | us a call | us in all | registers | DRAM % | occupancy % |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for key, calls, total in by_kind(found):
-        first = next(k for k in found if f'{k["kernel"][:40]} {k["grid"]}' == key)
-        name, grid = key.rsplit(" (", 1)
-        dram = sum(k.get("dram_pct", 0.0) for k in found if f'{k["kernel"][:40]} {k["grid"]}' == key) / calls
+        kind = [k for k in found if _kind(k) == key]
+        first, (name, grid) = kind[0], key.rsplit(" (", 1)
+        dram = sum(k.get("dram_pct", 0.0) for k in kind) / calls
         lines.append(f"| {name} | ({grid} | {calls} | {total / calls:.2f} | {total:.1f} | "
                      f"{first.get('registers', 0):.0f} | {dram:.1f} | {first.get('occupancy_pct', 0.0):.1f} |")
     return "\n".join(lines)
@@ -75,17 +79,14 @@ def step(model: str, batch: int) -> None:
     """A steady decode of `batch` sequences, then one step with the CUDA profiler on."""
     import torch
 
+    from bench.profile_step import start_decode
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, kv_cache_memory="4GiB", max_num_seqs=batch))
     engine.warm_up()
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
-    while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
-        engine.step()  # prefill
+    start_decode(engine, batch, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     for _ in range(20):
         engine.step()
     cuda = torch.cuda.is_available()

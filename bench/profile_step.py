@@ -82,10 +82,7 @@ def main() -> None:
         # Timed steps, then profiled ones; a verify step may emit all its drafts.
         params = SamplingParams(temperature=args.temperature, max_tokens=(2 * args.steps + 20) * (args.drafts + 1),
                                 ignore_eos=True)
-        for i in range(batch):
-            engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
-        while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
-            engine.step()  # prefill
+        start_decode(engine, batch, params)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -148,6 +145,14 @@ def main() -> None:
             engine.abort(request_id)
     for length in args.prefill:
         profile_prefill(engine, length, args.host_profile, args.rows)
+
+
+def start_decode(engine: LLMEngine, batch: int, params: SamplingParams) -> None:
+    """`batch` requests of 128 prompt tokens each, stepped until every one has its first token."""
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 + 1 for j in range(128)], params)
+    while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
+        engine.step()  # prefill
 
 
 def timeline(engine: LLMEngine, steps: int) -> str:
