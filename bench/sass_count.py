@@ -38,6 +38,9 @@ SIGNATURE = {
     "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_w": "i32",
     "stride_g": "i32", "words_per_split": "i32", "one_bits": "i32", "in_sumsq_ptr": "*fp32", "in_parts": "i32",
     "eps": "fp32", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16", "sumsq_ptr": "*fp32",
+    "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32", "cos_sin_stride": "i32",
+    "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "cache_stride_slot": "i32", "cache_stride_h": "i32",
+    "num_heads": "i32", "num_kv_heads": "i32",
 }
 LARGE = (16384, 2048)  # Llama-3.2-1B's gate/up [N, K]: the large weights' tiling, the issue-bound one
 NOT_DIVISIBLE = {"in_parts", "eps"}
@@ -80,7 +83,7 @@ def loop_of(sass: str) -> list[str]:
 def count(group_size: int, constants: dict[str, object]) -> Count:
     cfg = gemv_config(*LARGE, group_size)
     constexprs = dict(HAS_BIAS=False, GROUP=group_size, ROWS=cfg["ROWS"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=1,
-                      SILU_MUL=False, NORM_IN=False, ADD_NORM=False, PDL=True) | constants
+                      SILU_MUL=False, NORM_IN=False, ADD_NORM=False, ROPE=False, HALF=1, PDL=True) | constants
     signature = SIGNATURE | {name: "constexpr" for name in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(SIGNATURE) if name not in NOT_DIVISIBLE}
     kernel = triton.compile(ASTSource(fn=_int4_gemv_kernel, signature=signature, constexprs=constexprs,
