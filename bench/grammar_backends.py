@@ -15,6 +15,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -22,9 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from bench.provenance import git_commit
-from engine.model_store import resolve_model
-from engine.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.provenance import git_commit  # noqa: E402
+from engine.model_store import resolve_model  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
