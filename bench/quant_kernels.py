@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -29,13 +30,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import float_linear as float_module  # noqa: E402
 from kernels import int4_linear as int4_module  # noqa: E402
 from kernels import split_k as split_k_module  # noqa: E402
-from kernels.dispatch import programmatic_launches  # noqa: E402
+from kernels.dispatch import programmatic_launches, sm_count  # noqa: E402
 from kernels.float_linear import float_linear, float_linear_add_norm  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
 from kernels.int4_layout import pack_int4  # noqa: E402
@@ -47,10 +49,12 @@ SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "dow
 ROWS = (1, 8)
 REPS = 50
 GROUP_SIZE = 128
-# The GEMV's tilings timed by --int4-one-row: (rows a program, words a step, warps); the first two
-# are gemv_config's for large and small weights.
-ONE_ROW_TILINGS = ((16, 64, 1), (8, 256, 2), (8, 256, 4), (8, 256, 8), (16, 256, 4), (16, 256, 8), (4, 256, 2),
-                   (16, 128, 2), (8, 128, 1), (32, 64, 2), (16, 32, 1))
+# The GEMV's tilings timed by --int4-one-row: "ROWSxWORDSxWARPS" (rows a program, words a step,
+# warps), then optionally "rN" (a cap of N registers a thread, ptxas' maxnreg: more programs an SM)
+# and "sN" (a K split aiming at N programs an SM where the rows alone leave SMs idle; the engine's
+# aims at 8). The first two are gemv_config's for large and small weights.
+ONE_ROW_TILINGS = ("16x64x1", "8x256x2", "8x256x4", "8x256x8", "16x256x4", "16x256x8", "4x256x2", "16x128x2",
+                   "8x128x1", "32x64x2", "16x32x1")
 
 # (K, N) of the bf16 projections of the shapes --float-one-row times (lm_head: the tied or own head).
 FLOAT_SHAPES = {
@@ -88,16 +92,28 @@ def median_us(fn: Callable[[], torch.Tensor], flush: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def one_row_tiling(tiling: tuple[int, int, int]):
-    """The INT4 one-row GEMV on one tiling for a while, whatever the weight's size."""
-    saved = int4_module.gemv_config
-    rows, words, warps = tiling
+def one_row_tiling(tiling: str):
+    """The INT4 one-row GEMV on one tiling (ONE_ROW_TILINGS' form) for a while, whatever the weight's size."""
+    saved = int4_module.gemv_config, int4_module.gemv_split
+    shape, *knobs = re.split(r"(?=[rs]\d)", tiling)
+    rows, words, warps = map(int, shape.split("x"))
+    extra = {k[0]: int(k[1:]) for k in knobs}
+    cap = {"maxnreg": extra["r"]} if "r" in extra else {}
     int4_module.gemv_config = lambda out_features, in_features, group_size: dict(
-        ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1)
+        ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1, **cap)
+    if "s" in extra:  # split_k.gemv_split's rule, aiming at extra["s"] programs an SM instead of 8
+        def split(tiles: int, words: int, block_w: int, device: torch.device) -> tuple[int, int]:
+            sms = sm_count(device)
+            if tiles >= extra["s"] * sms // 2:
+                return 1, words
+            splits = max(1, min(triton.cdiv(extra["s"] * sms, tiles), words // block_w, 32))
+            per_split = triton.cdiv(triton.cdiv(words, splits), block_w) * block_w
+            return triton.cdiv(words, per_split), per_split
+        int4_module.gemv_split = split
     try:
         yield
     finally:
-        int4_module.gemv_config = saved
+        int4_module.gemv_config, int4_module.gemv_split = saved
 
 
 def graph_us(fn, calls: int = 16, reps: int = 20) -> float:
@@ -237,11 +253,11 @@ def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple
         del weights
 
 
-def one_row_tilings() -> None:
+def one_row_tilings(tilings: tuple[str, ...] = ONE_ROW_TILINGS) -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: INT4 one-row GEMVs as batch-1 decode calls them, µs a call "
           f"(16 in a CUDA graph with PDL, median of 20 replays); group {GROUP_SIZE}\n")
-    labels = ["{}x{}x{}".format(*t) for t in ONE_ROW_TILINGS]
+    labels = list(tilings)
     print("| projection (K x N) | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))
     for name, (k, n) in SHAPES.items():
@@ -260,7 +276,7 @@ def one_row_tilings() -> None:
             def call(silu: bool = name == "gate_up") -> torch.Tensor:
                 return int4_linear(x, *weight, GROUP_SIZE, silu_mul=silu, norm_in=norm_in)
         cells, first = [], None
-        for tiling in ONE_ROW_TILINGS:
+        for tiling in tilings:
             with one_row_tiling(tiling):
                 out = call().float()
                 first = out if first is None else first
@@ -275,6 +291,7 @@ def main() -> None:
     p.add_argument("--float-one-row", action="store_true", help="time the bf16 one-row kernel's tilings instead")
     p.add_argument("--float-few-rows", action="store_true", help="time the bf16 few-row kernel's tilings instead")
     p.add_argument("--tilings", help="--float-few-rows' tilings, e.g. default,dots,32x256x4x3x4 (default: a set)")
+    p.add_argument("--int4-tilings", help="--int4-one-row's tilings, e.g. 16x64x1,16x64x1r168s12 (default: a set)")
     p.add_argument("--projections", default="qkv,o,gate_up,down", help="--float-few-rows' projections")
     p.add_argument("--rows", default="2,8,16", help="--float-few-rows' batch rows")
     p.add_argument("--shape", default="llama-3.2-1b", choices=sorted(FLOAT_SHAPES), help="--float-few-rows' model shape")
@@ -292,7 +309,7 @@ def main() -> None:
                                shape=args.shape)
         return
     if args.int4_one_row:
-        one_row_tilings()
+        one_row_tilings(tuple(args.int4_tilings.split(",")) if args.int4_tilings else ONE_ROW_TILINGS)
         return
     torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # larger than any L2

@@ -9,6 +9,7 @@ compare with PYTHONPATH pointing at the same Triton version as the GPU's.
     PYTHONPATH=/tmp/triton36 python bench/sass_count.py --group-sizes 128
     python bench/sass_count.py --json counts.json   # the counts as JSON too
     python bench/sass_count.py --check              # exit 1 if a loop is over MAX_PER_WEIGHT a weight
+    python bench/sass_count.py --tiling 16x32x1 --maxnreg 168   # another tiling, registers capped
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Count:
     loop: int  # instructions in the loop
     weights: int  # weights one thread reads a step
     registers: int
+    spills: int  # local-memory loads and stores in the loop
     mix: list[tuple[str, int]]  # the loop's most frequent opcodes
 
     @property
@@ -80,42 +82,51 @@ def loop_of(sass: str) -> list[str]:
     return [op for addr, op, _ in code if best[0] <= addr <= best[1]]
 
 
-def count(group_size: int, constants: dict[str, object]) -> Count:
+def count(group_size: int, constants: dict[str, object], tiling: tuple[int, int, int] | None = None,
+          maxnreg: int | None = None) -> Count:
     cfg = gemv_config(*LARGE, group_size)
+    if tiling is not None:  # rows a program, words a step, warps
+        cfg = dict(ROWS=tiling[0], BLOCK_W=max(tiling[1], group_size // 8), num_warps=tiling[2])
     constexprs = dict(HAS_BIAS=False, GROUP=group_size, ROWS=cfg["ROWS"], BLOCK_W=cfg["BLOCK_W"], SPLIT_K=1,
                       SILU_MUL=False, NORM_IN=False, ADD_NORM=False, ROPE=False, HALF=1, PDL=True) | constants
     signature = SIGNATURE | {name: "constexpr" for name in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(SIGNATURE) if name not in NOT_DIVISIBLE}
     kernel = triton.compile(ASTSource(fn=_int4_gemv_kernel, signature=signature, constexprs=constexprs,
                                       attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=1))
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg["num_warps"], num_stages=1, maxnreg=maxnreg))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         Path(cubin).write_bytes(kernel.asm["cubin"])
         ops = loop_of(_cuobjdump("-sass", cubin))
         registers = int(re.search(r"REG:(\d+)", _cuobjdump("-res-usage", cubin)).group(1))
     weights = cfg["ROWS"] * cfg["BLOCK_W"] * 8 // (32 * cfg["num_warps"])
-    mix = collections.Counter(op.split(".")[0] for op in ops).most_common(6)
-    return Count(len(ops), weights, registers, mix)
+    opcodes = collections.Counter(op.split(".")[0] for op in ops)
+    return Count(len(ops), weights, registers, opcodes["LDL"] + opcodes["STL"], opcodes.most_common(6))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--group-sizes", type=lambda s: [int(g) for g in s.split(",")], default=[32, 128])
     p.add_argument("--json", type=Path, help="also write the counts here")
+    p.add_argument("--tiling", type=lambda s: tuple(int(v) for v in s.split("x")),
+                   help="ROWSxWORDSxWARPS instead of gemv_config's large-weight tiling")
+    p.add_argument("--maxnreg", type=int, help="cap the registers a thread (ptxas' maxnreg)")
     p.add_argument("--check", action="store_true",
                    help=f"exit 1 if a loop takes over {MAX_PER_WEIGHT} instructions a weight, or is not the GEMV's")
     args = p.parse_args(argv)
     rows, failed = [], []
     print(f"triton {triton.__version__}, sm_90\n")
-    print("| group size | variant | loop instructions | weights a thread a step | per weight | registers | most frequent |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print("| group size | variant | loop instructions | weights a thread a step | per weight | registers | spills "
+          "| most frequent |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for group_size in args.group_sizes:
         for name, constants in VARIANTS.items():
-            c = count(group_size, constants)
+            c = count(group_size, constants, args.tiling, args.maxnreg)
             rows.append({"group_size": group_size, "variant": name, "triton": triton.__version__} | asdict(c))
             mix = ", ".join(f"{op} {n}" for op, n in c.mix)
-            print(f"| {group_size} | {name} | {c.loop} | {c.weights} | {c.per_weight:.2f} | {c.registers} | {mix} |")
+            print(f"| {group_size} | {name} | {c.loop} | {c.weights} | {c.per_weight:.2f} | {c.registers} | {c.spills} "
+                  f"| {mix} |")
             if dict(c.mix).get("FFMA", 0) < c.weights:  # an FMA a weight, else the loop found is not the GEMV's
                 failed.append(f"group size {group_size}, {name}: fewer FFMAs than weights in the loop found")
             elif c.per_weight >= MAX_PER_WEIGHT:
