@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import re
 import statistics
 import sys
@@ -30,14 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import float_linear as float_module  # noqa: E402
 from kernels import int4_linear as int4_module  # noqa: E402
 from kernels import split_k as split_k_module  # noqa: E402
-from kernels.dispatch import programmatic_launches, sm_count  # noqa: E402
+from kernels.dispatch import programmatic_launches  # noqa: E402
 from kernels.float_linear import float_linear, float_linear_add_norm  # noqa: E402
 from kernels.fp8_linear import fp8_linear, quantize_fp8  # noqa: E402
 from kernels.int4_layout import pack_int4  # noqa: E402
@@ -101,15 +101,8 @@ def one_row_tiling(tiling: str):
     cap = {"maxnreg": extra["r"]} if "r" in extra else {}
     int4_module.gemv_config = lambda out_features, in_features, group_size: dict(
         ROWS=rows, BLOCK_W=max(words, group_size // 8), num_warps=warps, num_stages=1, **cap)
-    if "s" in extra:  # split_k.gemv_split's rule, aiming at extra["s"] programs an SM instead of 8
-        def split(tiles: int, words: int, block_w: int, device: torch.device) -> tuple[int, int]:
-            sms = sm_count(device)
-            if tiles >= extra["s"] * sms // 2:
-                return 1, words
-            splits = max(1, min(triton.cdiv(extra["s"] * sms, tiles), words // block_w, 32))
-            per_split = triton.cdiv(triton.cdiv(words, splits), block_w) * block_w
-            return triton.cdiv(words, per_split), per_split
-        int4_module.gemv_split = split
+    if "s" in extra:  # the engine's split rule, aiming at extra["s"] programs an SM instead of 8
+        int4_module.gemv_split = functools.partial(saved[1], per_sm=extra["s"])
     try:
         yield
     finally:

@@ -344,14 +344,14 @@ def split_k_for(rows: int, num_tiles: int, k_tiles: int, k: int, device: torch.d
     return triton.cdiv(k_tiles, per_split), per_split
 
 
-def gemv_split(tiles: int, words: int, block_w: int, device: torch.device) -> tuple[int, int]:
+def gemv_split(tiles: int, words: int, block_w: int, device: torch.device, per_sm: int = 8) -> tuple[int, int]:
     """(SPLIT_K, words per split) of a one-row kernel over `tiles` row tiles and `words` K-words a
-    row: a grid under four programs per SM is split along K to about eight (each split a whole
-    number of BLOCK_W steps); larger grids already fill the GPU and are not split."""
+    row: a grid under per_sm / 2 programs per SM is split along K to about per_sm (each split a
+    whole number of BLOCK_W steps); larger grids already fill the GPU and are not split."""
     sms = sm_count(device)
-    if tiles >= 4 * sms:
+    if tiles >= per_sm * sms // 2:
         return 1, words
-    split = max(1, min(triton.cdiv(8 * sms, tiles), words // block_w, 32))
+    split = max(1, min(triton.cdiv(per_sm * sms, tiles), words // block_w, 32))
     per_split = triton.cdiv(triton.cdiv(words, split), block_w) * block_w
     return triton.cdiv(words, per_split), per_split
 

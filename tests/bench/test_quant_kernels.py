@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bench.quant_kernels as quant_kernels
-from kernels import int4_linear
+from kernels import int4_linear, split_k
 
 
 def test_a_tiling_sets_rows_words_warps_and_its_register_cap() -> None:
@@ -18,7 +18,7 @@ def test_a_tiling_sets_rows_words_warps_and_its_register_cap() -> None:
 
 
 def test_a_split_target_spreads_few_row_tiles_over_more_programs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quant_kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     with quant_kernels.one_row_tiling("16x32x1s16"):
         assert int4_linear.gemv_split(128, 1024, 32, cpu) == (16, 64)  # 128 tiles x 16 splits: 2,048 programs
