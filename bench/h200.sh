@@ -19,7 +19,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "identical|not a benchmark" "$OUT/tests.log"
 fi
 if [ -n "${ONE_ROW:-}" ]; then  # the INT4 one-row kernels' tilings (bench/quant_kernels.py --int4-one-row)
-  timeout 120 python3 bench/quant_kernels.py --int4-one-row > "$OUT/one_row.log" 2>&1
+  timeout 120 python3 bench/quant_kernels.py --int4-one-row ${INT4_TILINGS:+--int4-tilings "$INT4_TILINGS"} \
+    > "$OUT/one_row.log" 2>&1
   grep -E "^\|" "$OUT/one_row.log"
 fi
 if [ -z "${SKIP_PROFILE:-}" ]; then
