@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -132,6 +133,12 @@ def _worker_main(rank: int, config: EngineConfig, init_file: str, conn: multipro
         logging.shutdown()
         os._exit(1)
     close_tensor_parallel(tp)
+    # Nothing is left to clean up, and the interpreter's teardown beside the group's native threads
+    # can abort (a spawned child exits through sys.exit): leave at once, with a clean exit code.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def start_tensor_parallel(config: EngineConfig) -> tuple[TensorParallel, Workers | None, torch.device]:
