@@ -11,6 +11,7 @@ import kernels.attention_projection as attention_projection
 from kernels.attention import AttentionMetadata
 from kernels.decode_attention import decode_attention_splits
 from kernels.rmsnorm import add_norm_ref
+from tests.gpu.shapes import LAYERS
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_attention_projection import o_proj
@@ -18,18 +19,18 @@ from tests.kernels.test_attention_projection import o_proj
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 1024
-SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64), "llama-3.2-1b": (2048, 32, 8, 64), "llama-3.1-8b": (4096, 32, 8, 128)}
 
 
 @pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("model", LAYERS)
 @pytest.mark.parametrize("seq_len", [1, 130, 2049, 8192])
 def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
     # The 8B shape's partials are over MAX_PARTIAL_READS, so the engine merges them apart; the
     # kernel must still be right there.
     monkeypatch.setattr(attention_projection, "MAX_PARTIAL_READS", 1 << 40)
-    hidden, heads, kv_heads, head_dim = SHAPES[model]
+    layer = LAYERS[model]
+    hidden, heads, kv_heads, head_dim = layer.hidden, layer.heads, layer.kv_heads, layer.head_dim
     gen = torch.Generator(device="cuda").manual_seed(seq_len)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)

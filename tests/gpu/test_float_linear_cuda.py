@@ -10,6 +10,7 @@ from kernels.activation import silu_mul
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv, tma_fits
 from kernels.rmsnorm import rms_norm
 from tests.gpu.test_kernels_cuda import rel_err
+from tests.gpu.shapes import LAYERS
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -17,15 +18,7 @@ from tests.kernels.conftest import nan_poisoned_allocations
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("few_row_kernels")]
 
-# (hidden, merged QKV outputs, intermediate) of each shape.
-MODELS = {"qwen2.5-0.5b": (896, 1152, 4864), "llama-3.2-1b": (2048, 3072, 8192), "llama-3.1-8b": (4096, 6144, 14336)}
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def projections(hidden: int, qkv: int, intermediate: int) -> dict[str, tuple[int, int]]:
-    """(K, N) of a layer's four projections."""
-    return {"qkv": (hidden, qkv), "o": (hidden, hidden), "gate_up": (hidden, 2 * intermediate),
-            "down": (intermediate, hidden)}
 
 
 def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -35,9 +28,9 @@ def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Ten
 @torch.inference_mode()
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+@pytest.mark.parametrize("model", LAYERS)
 def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -> None:
-    for name, (k, n) in projections(*MODELS[model]).items():
+    for name, (k, n) in LAYERS[model].projections().items():
         w = weight(k, n, dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv" else None
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -58,13 +51,13 @@ def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -
 @torch.inference_mode()
 @pytest.mark.parametrize("rows", [1, 2, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+@pytest.mark.parametrize("model", LAYERS)
 def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -> None:
     """Batch-1 decode's folded norm: o_proj and down_proj end in the add-norm epilogue, gate/up
     (SiLU·up) and QKV scale their outputs by its NormScale; against rms_norm between the plain
     projections. Then the chain replayed in a CUDA graph with PDL gives the eager chain's output
     bit for bit."""
-    shapes = projections(*MODELS[model])
+    shapes = LAYERS[model].projections()
     hidden = shapes["o"][1]
     residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
@@ -94,15 +87,12 @@ def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -
 @torch.inference_mode()
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("model", MODELS, ids=list(MODELS))
+@pytest.mark.parametrize("model", LAYERS)
 def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype, tokens: int) -> None:
     """The QKV GEMV with RoPE and the KV write as its epilogue: bit for bit the projection followed
     by rope_store_kv's kernel (q, and both caches), with a Qwen2-style bias."""
-    hidden, qkv, _ = MODELS[model]
-    head_dim = 64 if hidden < 4096 else 128
-    kv_heads = {896: 2, 2048: 8, 4096: 8}[hidden]
-    w, bias = weight(hidden, qkv, dtype), torch.randn(qkv, device="cuda", dtype=dtype)
+    layer = LAYERS[model]
+    w, bias = weight(layer.hidden, layer.qkv, dtype), torch.randn(layer.qkv, device="cuda", dtype=dtype)
     check_rope_epilogue(lambda x: float_linear(x, w, bias), lambda x, rope: float_linear_rope_kv(x, w, bias, None, rope),
-                        torch.randn(tokens, hidden, device="cuda", dtype=dtype), qkv // head_dim - 2 * kv_heads,
-                        kv_heads, head_dim)
+                        torch.randn(tokens, layer.hidden, device="cuda", dtype=dtype), layer)
 

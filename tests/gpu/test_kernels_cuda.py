@@ -1,5 +1,6 @@
 """The Triton RMSNorm, SiLU·mul, RoPE + KV-write and sampling kernels against their torch references on a CUDA
-GPU, at a Llama-3.2-1B layer's sizes (run through the device tool; skipped without a GPU)."""
+GPU, at the Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B layer sizes (run through the device tool; skipped
+without a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -10,11 +11,13 @@ from kernels.dispatch import use_triton
 from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv_ref, rope_store_kv_triton
 from kernels.sampling import gumbel_argmax, gumbel_argmax_ref
+from tests.gpu.shapes import LAYERS, LayerShape
 from tests.kernels.conftest import nan_poisoned_allocations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TOKENS, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 512, 2048, 8192, 32, 8, 64
+TOKENS = 512
+LLAMA_1B = LAYERS["llama-3.2-1b"]  # where one shape is enough
 NUM_BLOCKS, BLOCK_SIZE, MAX_POSITIONS = 64, 16, 8192
 DTYPES = [torch.bfloat16, torch.float16]
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -26,15 +29,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def qkv_views(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_views(dtype: torch.dtype, layer: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as the model passes them: strided views into one merged QKV projection output."""
-    sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     q, k, v = torch.randn(TOKENS, sum(sizes), device="cuda", dtype=dtype).split(sizes, dim=-1)
-    return q.view(TOKENS, HEADS, HEAD_DIM), k.view(TOKENS, KV_HEADS, HEAD_DIM), v.view(TOKENS, KV_HEADS, HEAD_DIM)
+    return q.view(TOKENS, heads, head_dim), k.view(TOKENS, kv_heads, head_dim), v.view(TOKENS, kv_heads, head_dim)
 
 
-def nan_caches(dtype: torch.dtype) -> list[torch.Tensor]:
-    shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+def nan_caches(dtype: torch.dtype, layer: LayerShape) -> list[torch.Tensor]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, layer.kv_heads, layer.head_dim)
     return [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
 
 
@@ -44,10 +48,12 @@ def test_cuda_tensors_take_the_triton_path() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
-    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=dtype)
+@pytest.mark.parametrize("model", LAYERS)
+def test_rms_norm(dtype: torch.dtype, with_residual: bool, model: str) -> None:
+    hidden = LAYERS[model].hidden
+    x = torch.randn(TOKENS, hidden, device="cuda", dtype=dtype)
     residual = torch.randn_like(x) if with_residual else None
-    weight = (torch.rand(HIDDEN, device="cuda") + 0.5).to(dtype)
+    weight = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
     with nan_poisoned_allocations():
         out, new_residual = rms_norm_triton(x, weight, 1e-5, residual)
     ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
@@ -64,24 +70,27 @@ def test_rms_norm_widest_row(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype: torch.dtype) -> None:
-    x = torch.randn(TOKENS, 2 * INTERMEDIATE, device="cuda", dtype=dtype)
+@pytest.mark.parametrize("model", LAYERS)
+def test_silu_mul(dtype: torch.dtype, model: str) -> None:
+    x = torch.randn(TOKENS, 2 * LAYERS[model].intermediate, device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
         out = silu_mul_triton(x)
     assert rel_err(out, silu_mul_ref(x)) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_kv(dtype: torch.dtype) -> None:
-    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
-    q, k, v = qkv_views(dtype)
+@pytest.mark.parametrize("model", LAYERS)
+def test_rope_store_kv(dtype: torch.dtype, model: str) -> None:
+    layer = LAYERS[model]
+    cos_sin = rope_cos_sin(rope_inv_freq(layer.head_dim, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
+    q, k, v = qkv_views(dtype, layer)
     positions = torch.randint(0, MAX_POSITIONS, (TOKENS,), device="cuda")
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda")[:TOKENS]
-    (k_cache, v_cache), (k_ref, v_ref) = nan_caches(dtype), nan_caches(dtype)
+    (k_cache, v_cache), (k_ref, v_ref) = nan_caches(dtype, layer), nan_caches(dtype, layer)
     with nan_poisoned_allocations():
         q_out = rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
     q_ref = rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots)
-    flat = (-1, KV_HEADS, HEAD_DIM)
+    flat = (-1, layer.kv_heads, layer.head_dim)
     assert rel_err(q_out, q_ref) < 1e-2
     assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
     assert torch.equal(v_cache.view(flat)[slots], v)
@@ -94,15 +103,15 @@ def test_rope_store_kv(dtype: torch.dtype) -> None:
 def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
     """Captured once, replayed after the static inputs change: no host syncs or data-dependent shapes."""
     dtype = torch.bfloat16
-    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
-    q, k, v = qkv_views(dtype)
-    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=dtype)
+    cos_sin = rope_cos_sin(rope_inv_freq(LLAMA_1B.head_dim, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
+    q, k, v = qkv_views(dtype, LLAMA_1B)
+    x = torch.randn(TOKENS, LLAMA_1B.hidden, device="cuda", dtype=dtype)
     residual = torch.randn_like(x)
-    weight = (torch.rand(HIDDEN, device="cuda") + 0.5).to(dtype)
-    gate_up = torch.randn(TOKENS, 2 * INTERMEDIATE, device="cuda", dtype=dtype)
+    weight = (torch.rand(LLAMA_1B.hidden, device="cuda") + 0.5).to(dtype)
+    gate_up = torch.randn(TOKENS, 2 * LLAMA_1B.intermediate, device="cuda", dtype=dtype)
     positions = torch.zeros(TOKENS, dtype=torch.int64, device="cuda")
     slots = torch.arange(TOKENS, device="cuda")
-    k_cache, v_cache = nan_caches(dtype)
+    k_cache, v_cache = nan_caches(dtype, LLAMA_1B)
 
     def step() -> tuple[torch.Tensor, ...]:
         q_out = rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
@@ -118,12 +127,12 @@ def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
     positions.copy_(torch.randint(0, MAX_POSITIONS, (TOKENS,), device="cuda"))
     slots.copy_(torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device="cuda")[:TOKENS])
     graph.replay()
-    k_ref, v_ref = nan_caches(dtype)
+    k_ref, v_ref = nan_caches(dtype, LLAMA_1B)
     expected = (rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots),
                 *rms_norm_ref(x, weight, 1e-5, residual), silu_mul_ref(gate_up))
     for out, ref in zip(outputs, expected):
         assert rel_err(out, ref) < 1e-2
-    flat = (-1, KV_HEADS, HEAD_DIM)
+    flat = (-1, LLAMA_1B.kv_heads, LLAMA_1B.head_dim)
     assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
     assert torch.equal(v_cache.view(flat)[slots], v_ref.view(flat)[slots])
 

@@ -1,6 +1,7 @@
-"""The INT4 (AWQ) and FP8 linear kernels against their torch references on a CUDA GPU, at
-Llama-3.2-1B's projection sizes, for decode and prefill row counts (run through the device tool;
-skipped without a GPU)."""
+"""The INT4 (AWQ) and FP8 linear kernels and their fused epilogues against their torch references on
+a CUDA GPU, for decode and prefill row counts: the decode kernels at the projection sizes of the
+Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B shapes, the rest at Llama-3.2-1B's (run through the
+device tool; skipped without a GPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ from kernels.int4_linear import (TILE_GEMM_MAX_ROWS, int4_linear, int4_linear_ad
                                  int4_linear_rope_kv)
 from kernels.rmsnorm import rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
+from tests.gpu.shapes import LAYERS, LayerShape
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -27,8 +29,8 @@ from tests.kernels.conftest import nan_poisoned_allocations
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("few_row_kernels")]
 
-# (K, N) of Llama-3.2-1B's merged QKV, O, merged gate/up and down projections.
-SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}
+SHAPES = LAYERS["llama-3.2-1b"].projections()  # where one shape is enough
+PROJECTIONS = list(SHAPES)
 ROWS = [1, 8, 64, 512]  # decode GEMV, decode few rows, prefill
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -63,8 +65,10 @@ def fp8_weight(in_features: int, out_features: int) -> tuple[torch.Tensor, torch
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_int4_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("model", LAYERS)
+def test_int4_linear(dtype: torch.dtype, rows: int, projection: str, model: str) -> None:
+    shape = LAYERS[model].projections()[projection]
     w4 = int4_weight(*shape)
     x = torch.randn(rows, shape[0], device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
@@ -92,8 +96,10 @@ def test_int4_linear_group_sizes(group_size: int, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_fp8_linear(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("model", LAYERS)
+def test_fp8_linear(dtype: torch.dtype, rows: int, projection: str, model: str) -> None:
+    shape = LAYERS[model].projections()[projection]
     weight, scale = fp8_weight(*shape)
     x = torch.randn(rows, shape[0], device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
@@ -123,10 +129,12 @@ def test_fp8_triton_prefill(rows: int, shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 8])
-def test_gate_up_silu_mul_is_the_projection_then_the_activation_kernel(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("model", LAYERS)
+def test_gate_up_silu_mul_is_the_projection_then_the_activation_kernel(dtype: torch.dtype, rows: int, model: str
+                                                                      ) -> None:
     """One row: SiLU·up in the one-row kernels' epilogue; 8: the activation kernel after the GEMM.
     Both bit for bit the projection stored, then silu_mul."""
-    k, n = SHAPES["gate_up"]
+    k, n = LAYERS[model].projections()["gate_up"]
     w4 = int4_weight(k, n)
     weight, scale = fp8_weight(k, n)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -220,7 +228,8 @@ def test_programmatic_launch_keeps_a_dependent_chain_exact() -> None:
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("model", LAYERS)
+def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int, model: str) -> None:
     """Batch-1 decode's folded norm: o_proj and down_proj (int4: the GEMV's small and
     large tilings, split along K) end in the add-norm epilogue, QKV and gate/up (SiLU·up) scale their outputs by its
     NormScale; against rms_norm between the plain projections. Then the chain replayed in a CUDA
@@ -242,13 +251,14 @@ def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int) -
         def add_norm(x, w, residual):
             return fp8_linear_add_norm(x, *w, None, residual, norm, 1e-5)
 
-    hidden = SHAPES["o"][1]
+    shapes = LAYERS[model].projections()
+    hidden = shapes["o"][1]
     residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
     chain = []
     for producer, consumer, silu in (("o", "gate_up", True), ("down", "qkv", False)):
-        wp, wc = make(*SHAPES[producer]), make(*SHAPES[consumer])
-        x = torch.randn(rows, SHAPES[producer][0], device="cuda", dtype=dtype)
+        wp, wc = make(*shapes[producer]), make(*shapes[consumer])
+        x = torch.randn(rows, shapes[producer][0], device="cuda", dtype=dtype)
         with nan_poisoned_allocations():
             u, h, scale = add_norm(x, wp, residual)
             out = project(u, wc, silu, scale)
@@ -272,11 +282,12 @@ def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int) -
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tokens: int) -> None:
-    """The one-row QKV kernel with RoPE and the KV write as its epilogue, at Llama-3.2-1B's QKV: bit
-    for bit the projection followed by rope_store_kv's kernel (q and both caches)."""
-    k, n = SHAPES["qkv"]
-    heads, kv_heads, head_dim = 32, 8, 64
+@pytest.mark.parametrize("model", LAYERS)
+def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tokens: int, model: str) -> None:
+    """The one-row QKV kernel with RoPE and the KV write as its epilogue: bit for bit the projection
+    followed by rope_store_kv's kernel (q and both caches)."""
+    layer = LAYERS[model]
+    k, n = layer.hidden, layer.qkv
     bias = torch.randn(n, device="cuda", dtype=dtype)
     if fmt == "int4":
         w4 = int4_weight(k, n)
@@ -286,15 +297,15 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tok
         w8 = fp8_weight(k, n)
         project = lambda x: fp8_linear(x, *w8, bias)  # noqa: E731
         fused = lambda x, rope: fp8_linear_rope_kv(x, *w8, bias, None, rope)  # noqa: E731
-    check_rope_epilogue(project, fused, torch.randn(tokens, k, device="cuda", dtype=dtype), heads, kv_heads, head_dim)
+    check_rope_epilogue(project, fused, torch.randn(tokens, k, device="cuda", dtype=dtype), layer)
 
 
 def check_rope_epilogue(project: Callable[[torch.Tensor], torch.Tensor],
-                        fused: Callable[[torch.Tensor, RopeKV], torch.Tensor], x: torch.Tensor, heads: int,
-                        kv_heads: int, head_dim: int) -> None:
+                        fused: Callable[[torch.Tensor, RopeKV], torch.Tensor], x: torch.Tensor, layer: LayerShape
+                        ) -> None:
     """A QKV kernel with the RoPE epilogue (fused) against its projection then rope_store_kv: q and
     both caches bit for bit, x's tokens at positions from 3,001 and every third slot from 517."""
-    tokens = x.shape[0]
+    tokens, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
     cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=x.dtype)
     caches = [cache.clone(), cache.clone()]
