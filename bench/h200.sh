@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 240 python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
   echo "tests/gpu: rc=$? $(tail -1 "$OUT/tests.log")"
   grep -E "identical|not a benchmark" "$OUT/tests.log"
 fi
@@ -24,6 +24,10 @@ if [ -n "${ONE_ROW:-}" ]; then  # the INT4 one-row kernels' tilings (bench/quant
   grep -E "^\|" "$OUT/one_row.log"
 fi
 if [ -z "${SKIP_PROFILE:-}" ]; then
+  if [ -n "${PROFILE_BASE:-}" ]; then  # another tree's profile first (a before/after on one machine)
+    (cd "$PROFILE_BASE" && timeout 150 python3 bench/profile_step.py --batches 1 8 64 > "$OUT/profile-base.log" 2>&1)
+    echo "$PROFILE_BASE:"; grep -E "^batch" "$OUT/profile-base.log"; echo "this tree:"
+  fi
   timeout 150 python3 bench/profile_step.py --batches 1 8 64 --host-profile > "$OUT/profile.log" 2>&1
   grep -E "^batch" "$OUT/profile.log"
 fi
