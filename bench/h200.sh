@@ -6,7 +6,8 @@ set -u
 # The device machine's copy of the tree may carry a stale .git: the results must name the commit.
 : "${MINILLM_COMMIT:?set MINILLM_COMMIT to the commit under test}"
 export MINILLM_COMMIT PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
-# The engine imports xgrammar, which the device image lacks: carry its wheels in .whl (see docs/gpu.md).
+# The engine imports xgrammar, which the device image lacks: carry its wheels in .whl (bench/README.md,
+# "The device scripts", says how to make them).
 if ls .whl/xgrammar-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
 fi
