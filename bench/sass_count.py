@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sm90 import TARGET, cuobjdump, resources  # noqa: E402
 from kernels.int4_linear import _int4_gemv_kernel, gemv_config  # noqa: E402
 
 # The kernel's arguments as the decode step passes them: bf16 activations, pointers and the integer
@@ -65,11 +62,6 @@ class Count:
         return self.loop / self.weights
 
 
-def _cuobjdump(*args: str) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
-
-
 def loop_of(sass: str) -> list[str]:
     """The opcodes of the longest loop in a cuobjdump -sass listing (a branch back to an earlier address)."""
     code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTRUCTION.match(line))]
@@ -93,13 +85,9 @@ def count(group_size: int, constants: dict[str, object], tiling: tuple[int, int,
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(SIGNATURE) if name not in NOT_DIVISIBLE}
     kernel = triton.compile(ASTSource(fn=_int4_gemv_kernel, signature=signature, constexprs=constexprs,
                                       attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=1, maxnreg=maxnreg))
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "kernel.cubin")
-        Path(cubin).write_bytes(kernel.asm["cubin"])
-        ops = loop_of(_cuobjdump("-sass", cubin))
-        registers = int(re.search(r"REG:(\d+)", _cuobjdump("-res-usage", cubin)).group(1))
+                            target=TARGET, options=dict(num_warps=cfg["num_warps"], num_stages=1, maxnreg=maxnreg))
+    ops = loop_of(cuobjdump(kernel.asm["cubin"], "-sass"))
+    registers = resources(kernel).registers
     weights = cfg["ROWS"] * cfg["BLOCK_W"] * 8 // (32 * cfg["num_warps"])
     opcodes = collections.Counter(op.split(".")[0] for op in ops)
     return Count(len(ops), weights, registers, opcodes["LDL"] + opcodes["STL"], opcodes.most_common(6))

@@ -30,6 +30,8 @@ MERGE_ROWS = 64
 MAX_PARTIAL_READS = 16 << 20
 # The most partial values a program holds at once: its splits in chunks of this many values.
 CHUNK_VALUES = 8192
+# Warps a program: its W_o block and partials spread over them (a module constant for bench/graph_ab.py).
+MERGE_WARPS = 4
 
 
 # Weight formats the kernel reads (FORMAT): float [N, K]; FP8 int32 words of four e4m3 bytes [N, K / 4]
@@ -198,6 +200,6 @@ def _merge_o(splits: AttentionSplits, fmt: int, weight: torch.Tensor, scale: tor
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, CHUNK=chunk,
         SPLIT_TOKENS=splits.split_tokens, ROWS=MERGE_ROWS, NUM_KV=splits.num_kv_heads, FORMAT=fmt,
         CVT=fmt == FP8_WORDS and fp8_linear.has_e4m3_cvt(weight.device), HAS_BIAS=bias is not None, PDL=pdl,
-        num_warps=4, num_stages=1, **launch_options(pdl),
+        num_warps=MERGE_WARPS, num_stages=1, **launch_options(pdl),
     )
     return out.view(residual.shape), residual_out.view(residual.shape), NormScale(sumsq, eps)

@@ -18,33 +18,20 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JITFunctions, not interpreted ones
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg")
+from bench.sm90 import TARGET, compile_launch  # noqa: E402
+
 compiled: dict[tuple, str] = {}
 
 
 def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs) -> None:
-    """JITFunction.run's stand-in: triton.compile for TARGET with the launch's types and constants."""
-    options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-    values = dict(zip((p.name for p in self.params), args)) | kwargs
-    signature, constexprs = {}, {}
-    for p in self.params:
-        value = values.get(p.name, p.default)
-        if p.is_constexpr or value is None:
-            signature[p.name], constexprs[p.name] = "constexpr", value
-        else:
-            signature[p.name] = mangle_type(value)
-    key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(sorted(options.items())))
+    """JITFunction.run's stand-in: the launch compiled for TARGET as the GPU's launcher would specialize it."""
+    _, constexprs, options = compile_launch(self, args, kwargs)
+    key = (self.fn.__name__, tuple(constexprs.items()), tuple(sorted(options.items())))
     if key not in compiled:
-        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=TARGET,
-                       options=options)
         flags = " ".join(k if v is True else f"{k}={v}" for k, v in constexprs.items()
                          if v is True or (v not in (None, False) and not isinstance(v, bool)))
         compiled[key] = f"{self.fn.__name__}: {flags}"
