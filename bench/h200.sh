@@ -24,6 +24,16 @@ if [ -n "${ONE_ROW:-}" ]; then  # the INT4 one-row kernels' tilings (bench/quant
     > "$OUT/one_row.log" 2>&1
   grep -E "^\|" "$OUT/one_row.log"
 fi
+if [ -n "${GRAPH_AB:-}" ]; then  # bench/graph_ab.py once per line of arguments: throwaway A/Bs of module constants
+  i=0
+  while IFS= read -r ab_args; do
+    [ -z "$ab_args" ] && continue
+    i=$((i + 1))
+    timeout 240 python3 bench/graph_ab.py $ab_args --out "$OUT/graph_ab_$i.json" > "$OUT/graph_ab_$i.log" 2>&1
+    echo "graph_ab $i ($ab_args): rc=$?"
+    sed -n '/^| /,$p' "$OUT/graph_ab_$i.log"
+  done <<< "$GRAPH_AB"
+fi
 if [ -z "${SKIP_PROFILE:-}" ]; then
   if [ -n "${PROFILE_BASE:-}" ]; then  # another tree's profile first (a before/after on one machine)
     (cd "$PROFILE_BASE" && timeout 150 python3 bench/profile_step.py --batches 1 8 64 > "$OUT/profile-base.log" 2>&1)
