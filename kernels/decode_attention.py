@@ -100,6 +100,11 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride
     tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
+# Warps a split program: its key tile and the group's query heads over them (a module constant for
+# bench/graph_ab.py; 4 is Triton's default).
+SPLIT_WARPS = 4
+
+
 def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough splits (at most 32) that batch × kv heads × splits programs cover the device's SMs
     about twice. It depends on the batch shape only, so a CUDA graph captured for a batch size
@@ -174,7 +179,7 @@ def _decode_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         TILE=split_tokens(head_dim), NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl,
-        **launch_options(pdl),
+        num_warps=SPLIT_WARPS, **launch_options(pdl),
     )
     return (out, out) if num_splits == 1 else (part_out, part_lse)
 
