@@ -32,6 +32,9 @@ MAX_PARTIAL_READS = 16 << 20
 CHUNK_VALUES = 8192
 # Warps a program: its W_o block and partials spread over them (a module constant for bench/graph_ab.py).
 MERGE_WARPS = 4
+# An A/B switch, untimed (bench/graph_ab.py; keep the faster side, delete the other): INT4 zero points
+# and scales loaded once a group of a head and applied to the group's summed words, not once a word.
+INT4_GROUP_LOADS = False
 
 
 # Weight formats the kernel reads (FORMAT): float [N, K]; FP8 int32 words of four e4m3 bytes [N, K / 4]
@@ -61,12 +64,12 @@ def _columns_of_8(o):
 @triton.jit
 def _merge_o_kernel(
     part_out_ptr, part_lse_ptr, lens_ptr,
-    w_ptr, scale_ptr, zeros_ptr, stride_w, stride_g, group_size, sign_exp_man,
+    w_ptr, scale_ptr, zeros_ptr, stride_w, stride_g, sign_exp_man,
     bias_ptr, out_ptr, part_ptr, count_ptr, N,
     residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, ROWS: tl.constexpr, NUM_KV: tl.constexpr,
-    FORMAT: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_TOKENS: tl.constexpr, ROWS: tl.constexpr, NUM_KV: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    GROUP_LOADS: tl.constexpr, FORMAT: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, g): KV group g's heads merged from their splits (an online softmax over chunks of
     CHUNK splits, only those the context reaches), times W_o's ROWS x (group heads x HEAD_DIM)
@@ -86,10 +89,17 @@ def _merge_o_kernel(
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * stride_w + cols, mask=block_ok, other=0)
     if FORMAT == FP8_WORDS:
         channel_scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    if FORMAT == INT4_WORDS:  # each word's group's zero point and scale
-        g_offs = rows.to(tl.int64)[:, None, None] * stride_g + cols * 8 // group_size
-        zero = tl.load(zeros_ptr + g_offs, mask=block_ok, other=0.0).to(tl.float32)
-        scale = tl.load(scale_ptr + g_offs, mask=block_ok, other=0.0).to(tl.float32)
+    if FORMAT == INT4_WORDS:
+        GPH: tl.constexpr = HEAD_DIM // GROUP_SIZE if HEAD_DIM > GROUP_SIZE else 1  # groups a head
+        if GROUP_LOADS:  # the zero point and scale of each of a head's groups, once
+            groups = ((kv_head * GROUP + heads) * HEAD_DIM // GROUP_SIZE)[None, :, None] + tl.arange(0, GPH)[None, None, :]
+            g_ok = row_ok[:, None, None] & head_ok[None, :, None]
+        else:  # each word's group's
+            groups = cols * 8 // GROUP_SIZE
+            g_ok = block_ok
+        g_offs = rows.to(tl.int64)[:, None, None] * stride_g + groups
+        zero = tl.load(zeros_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + g_offs, mask=g_ok, other=0.0).to(tl.float32)
     seq_len = tl.load(lens_ptr).to(tl.int32)  # int32 or int64 (a decode graph's)
     bias, residual, norm_w = add_norm_operands(rows, row_ok, bias_ptr, residual_ptr, norm_w_ptr, HAS_BIAS, True)
     wait_for_previous_kernel(PDL)
@@ -136,6 +146,9 @@ def _merge_o_kernel(
              + ((w >> 16) & 0xF).to(tl.float32) * o4[None] + ((w >> 20) & 0xF).to(tl.float32) * o5[None]
              + ((w >> 24) & 0xF).to(tl.float32) * o6[None] + ((w >> 28) & 0xF).to(tl.float32) * o7[None])
         o_sum = o0 + o1 + o2 + o3 + o4 + o5 + o6 + o7
+        if GROUP_LOADS:  # a group's words summed first, for its one zero point and scale
+            q = tl.sum(tl.reshape(q, [ROWS, GROUP_P2, GPH, HEAD_DIM // 8 // GPH]), axis=3)
+            o_sum = tl.sum(tl.reshape(o_sum, [GROUP_P2, GPH, HEAD_DIM // 8 // GPH]), axis=2)
         y = tl.sum(tl.sum(scale * (q - zero * o_sum[None]), axis=2), axis=1)  # sum (q - z) * s * o
     y, ok = sum_splits(y, part_ptr, count_ptr, rows, row_ok, N, NUM_KV)
     store_add_norm(y, rows, ok, bias, residual, norm_w, out_ptr, residual_out_ptr, sumsq_ptr)
@@ -194,11 +207,12 @@ def _merge_o(splits: AttentionSplits, fmt: int, weight: torch.Tensor, scale: tor
     pdl = programmatic_launch(weight)
     _merge_o_kernel[(tiles, splits.num_kv_heads)](
         splits.part_out, splits.part_lse, splits.seq_lens,
-        weight, scale, zeros, weight.stride(0), zeros.stride(0) if fmt == INT4_WORDS else 0, max(group_size, 1),
-        SIGN_EXP_MAN, bias if bias is not None else out, out, part, counts, out_features,
+        weight, scale, zeros, weight.stride(0), zeros.stride(0) if fmt == INT4_WORDS else 0, SIGN_EXP_MAN,
+        bias if bias is not None else out, out, part, counts, out_features,
         residual.reshape(1, -1).contiguous(), norm_weight.contiguous(), residual_out, sumsq,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, CHUNK=chunk,
-        SPLIT_TOKENS=splits.split_tokens, ROWS=MERGE_ROWS, NUM_KV=splits.num_kv_heads, FORMAT=fmt,
+        SPLIT_TOKENS=splits.split_tokens, ROWS=MERGE_ROWS, NUM_KV=splits.num_kv_heads, GROUP_SIZE=max(group_size, 1),
+        GROUP_LOADS=INT4_GROUP_LOADS, FORMAT=fmt,
         CVT=fmt == FP8_WORDS and fp8_linear.has_e4m3_cvt(weight.device), HAS_BIAS=bias is not None, PDL=pdl,
         num_warps=MERGE_WARPS, num_stages=1, **launch_options(pdl),
     )

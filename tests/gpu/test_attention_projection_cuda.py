@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BLOCK_SIZE, NUM_BLOCKS = 16, 1024
 
 
-@pytest.mark.parametrize("fmt", ["float", "fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["float", "fp8", "int4", "int4-group-loads"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model", LAYERS)
 @pytest.mark.parametrize("seq_len", [1, 130, 2049, 8192])
@@ -29,6 +29,9 @@ def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
     # The 8B shape's partials are over MAX_PARTIAL_READS, so the engine merges them apart; the
     # kernel must still be right there.
     monkeypatch.setattr(attention_projection, "MAX_PARTIAL_READS", 1 << 40)
+    if fmt == "int4-group-loads":  # the A/B switch's other side
+        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS", True)
+        fmt = "int4"
     layer = LAYERS[model]
     hidden, heads, kv_heads, head_dim = layer.hidden, layer.heads, layer.kv_heads, layer.head_dim
     gen = torch.Generator(device="cuda").manual_seed(seq_len)

@@ -39,7 +39,7 @@ def o_proj(fmt: str, gen: torch.Generator, hidden: int, inputs: int, dtype: torc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt, heads, kv_heads", [("float", 8, 2), ("float", 6, 1), ("float", 9, 3), ("fp8", 8, 2),
-                                                  ("int4", 9, 3)])
+                                                  ("int4", 9, 3), ("int4-group-loads", 9, 3)])
 @pytest.mark.parametrize("seq_len, fresh, chunk_values", [(1, 0, 8192), (23, 22, 8192), (300, 299, 8192),
                                                           (300, 295, 256)],
                          ids=["one-key", "one-tile", "five-splits", "verify-rows-in-chunks"])
@@ -47,6 +47,9 @@ def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, fmt
                                             fresh, chunk_values) -> None:
     monkeypatch.setattr(attention_projection, "MERGE_ROWS", 32)  # 80 outputs: two whole row tiles and a part
     monkeypatch.setattr(attention_projection, "CHUNK_VALUES", chunk_values)  # 256: two splits a chunk
+    if fmt == "int4-group-loads":  # two groups a 32-dim head (o_proj's group size 16)
+        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS", True)
+        fmt = "int4"
     gen = torch.Generator().manual_seed(seq_len + heads)
     dim, block_size, num_blocks, hidden, num_splits = 32, 4, 96, 80, 6
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
