@@ -31,7 +31,8 @@ import kernels.fp8_linear as fp8_linear  # noqa: E402
 import kernels.int4_linear as int4_linear  # noqa: E402
 from bench.graph_ab import parse_variant  # noqa: E402
 from bench.sm90 import compile_launch, resources  # noqa: E402
-from engine.models.shapes import SHAPES  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.shapes import shape_config  # noqa: E402
 from kernels.decode_attention import AttentionSplits, decode_attention_splits, num_splits_for  # noqa: E402
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_rope_kv  # noqa: E402
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -75,9 +76,8 @@ def decode_layer(model: str, fmt: str, rows: int) -> None:
     """One decode layer's launches at `rows` rows: down with the add-norm (whose NormScale the next
     layer's QKV and gate/up take), QKV with RoPE and the KV write, gate/up with SiLU·up, decode
     attention, then o_proj, merging the splits itself where the engine's o_proj does."""
-    c = SHAPES[model]
-    hidden, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    head_dim = c.get("head_dim", hidden // heads)
+    c = ModelConfig.from_hf(shape_config(model))
+    hidden, inter, heads, kv, head_dim = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
     project, add_norm, rope_kv, merge_o = OPS[fmt]
     norm, residual = torch.ones(hidden, dtype=BF16), torch.zeros(rows, hidden, dtype=BF16)
 

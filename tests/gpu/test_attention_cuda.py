@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models.config import ModelConfig
 from kernels.attention import AttentionMetadata, dense_prefill, dense_prefill_attention, paged_attention, paged_attention_ref
 from kernels.decode_attention import decode_attention_triton
 from kernels.prefill_attention import prefill_attention_triton
-from tests.gpu.shapes import LAYERS, LayerShape
+from tests.gpu.shapes import LAYERS
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -19,9 +20,9 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 4096
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def batch(shapes: list[tuple[int, int]], layer: LayerShape, dtype: torch.dtype):
+def batch(shapes: list[tuple[int, int]], layer: ModelConfig, dtype: torch.dtype):
     """Random caches, scattered block tables and packed queries for (seq_len, q_len) pairs."""
-    kv_heads = layer.kv_heads
+    kv_heads = layer.num_kv_heads
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, layer.head_dim, device="cuda", dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     free = torch.randperm(NUM_BLOCKS).tolist()
@@ -31,7 +32,7 @@ def batch(shapes: list[tuple[int, int]], layer: LayerShape, dtype: torch.dtype):
              for table, (n, q_len) in zip(tables, shapes) for p in range(n - q_len, n)]
     meta = AttentionMetadata.from_host(slots, q_lens, [n for n, _ in shapes], tables, kv_heads,
                                        torch.device("cuda"))
-    q = torch.randn(sum(q_lens), layer.heads, layer.head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(sum(q_lens), layer.num_heads, layer.head_dim, device="cuda", dtype=dtype)
     return q, k_cache, v_cache, meta
 
 

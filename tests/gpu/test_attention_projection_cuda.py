@@ -33,7 +33,7 @@ def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
         monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS", True)
         fmt = "int4"
     layer = LAYERS[model]
-    hidden, heads, kv_heads, head_dim = layer.hidden, layer.heads, layer.kv_heads, layer.head_dim
+    hidden, heads, kv_heads, head_dim = layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim
     gen = torch.Generator(device="cuda").manual_seed(seq_len)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=dtype, generator=gen)

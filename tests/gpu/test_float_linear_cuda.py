@@ -10,7 +10,7 @@ from kernels.activation import silu_mul
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv, tma_fits
 from kernels.rmsnorm import rms_norm
 from tests.gpu.test_kernels_cuda import rel_err
-from tests.gpu.shapes import LAYERS
+from tests.gpu.shapes import LAYERS, projections, qkv_features
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -30,7 +30,7 @@ def weight(in_features: int, out_features: int, dtype: torch.dtype) -> torch.Ten
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", LAYERS)
 def test_gemv_against_the_reference(model: str, dtype: torch.dtype, rows: int) -> None:
-    for name, (k, n) in LAYERS[model].projections().items():
+    for name, (k, n) in projections(LAYERS[model]).items():
         w = weight(k, n, dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv" else None
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -57,7 +57,7 @@ def test_norm_folded_into_the_gemvs(model: str, dtype: torch.dtype, rows: int) -
     (SiLU·up) and QKV scale their outputs by its NormScale; against rms_norm between the plain
     projections. Then the chain replayed in a CUDA graph with PDL gives the eager chain's output
     bit for bit."""
-    shapes = LAYERS[model].projections()
+    shapes = projections(LAYERS[model])
     hidden = shapes["o"][1]
     residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
@@ -92,7 +92,7 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(model: str, dtype: torch.dtype, t
     """The QKV GEMV with RoPE and the KV write as its epilogue: bit for bit the projection followed
     by rope_store_kv's kernel (q, and both caches), with a Qwen2-style bias."""
     layer = LAYERS[model]
-    w, bias = weight(layer.hidden, layer.qkv, dtype), torch.randn(layer.qkv, device="cuda", dtype=dtype)
+    w, bias = weight(layer.hidden_size, qkv_features(layer), dtype), torch.randn(qkv_features(layer), device="cuda", dtype=dtype)
     check_rope_epilogue(lambda x: float_linear(x, w, bias), lambda x, rope: float_linear_rope_kv(x, w, bias, None, rope),
-                        torch.randn(tokens, layer.hidden, device="cuda", dtype=dtype), layer)
+                        torch.randn(tokens, layer.hidden_size, device="cuda", dtype=dtype), layer)
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models.config import ModelConfig
 from kernels.activation import silu_mul_ref, silu_mul_triton
 from kernels.dispatch import use_triton
 from kernels.rmsnorm import rms_norm_ref, rms_norm_triton
 from kernels.rope import rope_cos_sin, rope_inv_freq, rope_store_kv_ref, rope_store_kv_triton
 from kernels.sampling import gumbel_argmax, gumbel_argmax_ref
-from tests.gpu.shapes import LAYERS, LayerShape
+from tests.gpu.shapes import LAYERS
 from tests.kernels.conftest import nan_poisoned_allocations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,16 +30,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def qkv_views(dtype: torch.dtype, layer: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_views(dtype: torch.dtype, layer: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as the model passes them: strided views into one merged QKV projection output."""
-    heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     q, k, v = torch.randn(TOKENS, sum(sizes), device="cuda", dtype=dtype).split(sizes, dim=-1)
     return q.view(TOKENS, heads, head_dim), k.view(TOKENS, kv_heads, head_dim), v.view(TOKENS, kv_heads, head_dim)
 
 
-def nan_caches(dtype: torch.dtype, layer: LayerShape) -> list[torch.Tensor]:
-    shape = (NUM_BLOCKS, BLOCK_SIZE, layer.kv_heads, layer.head_dim)
+def nan_caches(dtype: torch.dtype, layer: ModelConfig) -> list[torch.Tensor]:
+    shape = (NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
     return [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
 
 
@@ -50,7 +51,7 @@ def test_cuda_tensors_take_the_triton_path() -> None:
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("model", LAYERS)
 def test_rms_norm(dtype: torch.dtype, with_residual: bool, model: str) -> None:
-    hidden = LAYERS[model].hidden
+    hidden = LAYERS[model].hidden_size
     x = torch.randn(TOKENS, hidden, device="cuda", dtype=dtype)
     residual = torch.randn_like(x) if with_residual else None
     weight = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
@@ -72,7 +73,7 @@ def test_rms_norm_widest_row(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model", LAYERS)
 def test_silu_mul(dtype: torch.dtype, model: str) -> None:
-    x = torch.randn(TOKENS, 2 * LAYERS[model].intermediate, device="cuda", dtype=dtype)
+    x = torch.randn(TOKENS, 2 * LAYERS[model].intermediate_size, device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
         out = silu_mul_triton(x)
     assert rel_err(out, silu_mul_ref(x)) < 1e-2
@@ -90,7 +91,7 @@ def test_rope_store_kv(dtype: torch.dtype, model: str) -> None:
     with nan_poisoned_allocations():
         q_out = rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
     q_ref = rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots)
-    flat = (-1, layer.kv_heads, layer.head_dim)
+    flat = (-1, layer.num_kv_heads, layer.head_dim)
     assert rel_err(q_out, q_ref) < 1e-2
     assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
     assert torch.equal(v_cache.view(flat)[slots], v)
@@ -105,10 +106,10 @@ def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
     dtype = torch.bfloat16
     cos_sin = rope_cos_sin(rope_inv_freq(LLAMA_1B.head_dim, 500000.0, LLAMA3_SCALING), MAX_POSITIONS).cuda()
     q, k, v = qkv_views(dtype, LLAMA_1B)
-    x = torch.randn(TOKENS, LLAMA_1B.hidden, device="cuda", dtype=dtype)
+    x = torch.randn(TOKENS, LLAMA_1B.hidden_size, device="cuda", dtype=dtype)
     residual = torch.randn_like(x)
-    weight = (torch.rand(LLAMA_1B.hidden, device="cuda") + 0.5).to(dtype)
-    gate_up = torch.randn(TOKENS, 2 * LLAMA_1B.intermediate, device="cuda", dtype=dtype)
+    weight = (torch.rand(LLAMA_1B.hidden_size, device="cuda") + 0.5).to(dtype)
+    gate_up = torch.randn(TOKENS, 2 * LLAMA_1B.intermediate_size, device="cuda", dtype=dtype)
     positions = torch.zeros(TOKENS, dtype=torch.int64, device="cuda")
     slots = torch.arange(TOKENS, device="cuda")
     k_cache, v_cache = nan_caches(dtype, LLAMA_1B)
@@ -132,7 +133,7 @@ def test_kernels_replay_in_a_cuda_graph_with_new_inputs() -> None:
                 *rms_norm_ref(x, weight, 1e-5, residual), silu_mul_ref(gate_up))
     for out, ref in zip(outputs, expected):
         assert rel_err(out, ref) < 1e-2
-    flat = (-1, LLAMA_1B.kv_heads, LLAMA_1B.head_dim)
+    flat = (-1, LLAMA_1B.num_kv_heads, LLAMA_1B.head_dim)
     assert rel_err(k_cache.view(flat)[slots], k_ref.view(flat)[slots]) < 1e-2
     assert torch.equal(v_cache.view(flat)[slots], v_ref.view(flat)[slots])
 

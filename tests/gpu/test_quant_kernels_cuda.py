@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from engine.models.config import ModelConfig
 from kernels.activation import silu_mul
 from kernels.dispatch import programmatic_launch, programmatic_launches
 from kernels.fp8_linear import (
@@ -21,7 +22,7 @@ from kernels.int4_linear import (TILE_GEMM_MAX_ROWS, int4_linear, int4_linear_ad
                                  int4_linear_rope_kv)
 from kernels.rmsnorm import rms_norm
 from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq, rope_store_qkv
-from tests.gpu.shapes import LAYERS, LayerShape
+from tests.gpu.shapes import LAYERS, projections, qkv_features
 from tests.gpu.test_kernels_cuda import rel_err
 from tests.kernels.conftest import nan_poisoned_allocations
 
@@ -29,7 +30,7 @@ from tests.kernels.conftest import nan_poisoned_allocations
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("few_row_kernels")]
 
-SHAPES = LAYERS["llama-3.2-1b"].projections()  # where one shape is enough
+SHAPES = projections(LAYERS["llama-3.2-1b"])  # where one shape is enough
 PROJECTIONS = list(SHAPES)
 ROWS = [1, 8, 64, 512]  # decode GEMV, decode few rows, prefill
 DTYPES = [torch.bfloat16, torch.float16]
@@ -68,7 +69,7 @@ def fp8_weight(in_features: int, out_features: int) -> tuple[torch.Tensor, torch
 @pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("model", LAYERS)
 def test_int4_linear(dtype: torch.dtype, rows: int, projection: str, model: str) -> None:
-    shape = LAYERS[model].projections()[projection]
+    shape = projections(LAYERS[model])[projection]
     w4 = int4_weight(*shape)
     x = torch.randn(rows, shape[0], device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
@@ -99,7 +100,7 @@ def test_int4_linear_group_sizes(group_size: int, rows: int) -> None:
 @pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("model", LAYERS)
 def test_fp8_linear(dtype: torch.dtype, rows: int, projection: str, model: str) -> None:
-    shape = LAYERS[model].projections()[projection]
+    shape = projections(LAYERS[model])[projection]
     weight, scale = fp8_weight(*shape)
     x = torch.randn(rows, shape[0], device="cuda", dtype=dtype)
     with nan_poisoned_allocations():
@@ -134,7 +135,7 @@ def test_gate_up_silu_mul_is_the_projection_then_the_activation_kernel(dtype: to
                                                                       ) -> None:
     """One row: SiLU·up in the one-row kernels' epilogue; 8: the activation kernel after the GEMM.
     Both bit for bit the projection stored, then silu_mul."""
-    k, n = LAYERS[model].projections()["gate_up"]
+    k, n = projections(LAYERS[model])["gate_up"]
     w4 = int4_weight(k, n)
     weight, scale = fp8_weight(k, n)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -251,7 +252,7 @@ def test_norm_folded_into_the_kernels(fmt: str, dtype: torch.dtype, rows: int, m
         def add_norm(x, w, residual):
             return fp8_linear_add_norm(x, *w, None, residual, norm, 1e-5)
 
-    shapes = LAYERS[model].projections()
+    shapes = projections(LAYERS[model])
     hidden = shapes["o"][1]
     residual = torch.randn(rows, hidden, device="cuda", dtype=dtype)
     norm = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
@@ -287,7 +288,7 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tok
     """The one-row QKV kernel with RoPE and the KV write as its epilogue: bit for bit the projection
     followed by rope_store_kv's kernel (q and both caches)."""
     layer = LAYERS[model]
-    k, n = layer.hidden, layer.qkv
+    k, n = layer.hidden_size, qkv_features(layer)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     if fmt == "int4":
         w4 = int4_weight(k, n)
@@ -301,11 +302,11 @@ def test_rope_and_kv_write_in_the_qkv_epilogue(fmt: str, dtype: torch.dtype, tok
 
 
 def check_rope_epilogue(project: Callable[[torch.Tensor], torch.Tensor],
-                        fused: Callable[[torch.Tensor, RopeKV], torch.Tensor], x: torch.Tensor, layer: LayerShape
+                        fused: Callable[[torch.Tensor, RopeKV], torch.Tensor], x: torch.Tensor, layer: ModelConfig
                         ) -> None:
     """A QKV kernel with the RoPE epilogue (fused) against its projection then rope_store_kv: q and
     both caches bit for bit, x's tokens at positions from 3,001 and every third slot from 517."""
-    tokens, heads, kv_heads, head_dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+    tokens, heads, kv_heads, head_dim = x.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0, {}), 4096).cuda()
     cache = torch.randn(2, 64, 16, kv_heads, head_dim, device="cuda", dtype=x.dtype)
     caches = [cache.clone(), cache.clone()]
