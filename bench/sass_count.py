@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sm90 import TARGET, cuobjdump, resources  # noqa: E402
+from bench.sm90 import INSTRUCTION, TARGET, cuobjdump, resources  # noqa: E402
 from kernels.int4_linear import _int4_gemv_kernel, gemv_config  # noqa: E402
 
 # The kernel's arguments as the decode step passes them: bf16 activations, pointers and the integer
@@ -46,7 +46,6 @@ VARIANTS = {"plain": {}, "silu-mul": {"SILU_MUL": True}, "add-norm": {"ADD_NORM"
 # The loop's budget: each thread on 8 rows of 4 adjacent words, each x value serving 8 rows (the
 # kernel's tiling does that; a tiling that gives a thread fewer rows goes well over it).
 MAX_PER_WEIGHT = 4.3
-_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
 @dataclass
@@ -64,7 +63,7 @@ class Count:
 
 def loop_of(sass: str) -> list[str]:
     """The opcodes of the longest loop in a cuobjdump -sass listing (a branch back to an earlier address)."""
-    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTRUCTION.match(line))]
+    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := INSTRUCTION.match(line))]
     best = (0, 0)
     for addr, op, line in code:
         target = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)

@@ -24,6 +24,8 @@ from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg")
+# A cuobjdump -sass line: its address and opcode (after any predicate).
+INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", re.MULTILINE)
 _compiled: dict[tuple, Any] = {}  # one compile a distinct launch (a step launches each kernel many times)
 
 
@@ -71,7 +73,6 @@ def resources(kernel: Any) -> Resources:
     cubin = kernel.asm["cubin"]
     usage = cuobjdump(cubin, "-res-usage")
     sass = cuobjdump(cubin, "-sass")
-    opcodes = [m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass,
-                                               re.MULTILINE)]
+    opcodes = [m.group(2) for m in INSTRUCTION.finditer(sass)]
     return Resources(int(re.search(r"REG:(\d+)", usage).group(1)), sum(op.startswith("STL") for op in opcodes),
                      len(opcodes))
