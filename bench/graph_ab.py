@@ -83,8 +83,9 @@ def summary(values: list[float]) -> dict[str, Any]:
                 runs=[round(v, 4) for v in values])
 
 
-def run_model(model: str, args: argparse.Namespace, variants: list[tuple[str, list[Setting]]]) -> list[dict]:
-    """Every batch size of one model, the variants alternating within each round."""
+def run_model(model: str, name: str, args: argparse.Namespace, variants: list[tuple[str, list[Setting]]]
+              ) -> list[dict]:
+    """Every batch size of one model (rows named `name`), the variants alternating within each round."""
     kv = "4GiB" if args.device == "cuda" else "256MiB"
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype, kv_cache_memory=kv,
                                     max_num_seqs=max(args.batches),
@@ -100,25 +101,25 @@ def run_model(model: str, args: argparse.Namespace, variants: list[tuple[str, li
         while any(not r.sequences[0].output_token_ids for r in engine.requests.values()):
             engine.step()  # prefill
         graph_batch = next((b for b in sorted(runner.graphs) if b >= batch), None)
-        steps: dict[str, list[float]] = {name: [] for name, _ in variants}
-        replays: dict[str, list[float]] = {name: [] for name, _ in variants}
+        steps: dict[str, list[float]] = {variant: [] for variant, _ in variants}
+        replays: dict[str, list[float]] = {variant: [] for variant, _ in variants}
         for _ in range(args.rounds):
-            for name, settings in variants:
+            for variant, settings in variants:
                 for module, attribute, value in settings:
                     setattr(module, attribute, value)
                 if graph_batch is not None:
                     torch.cuda.synchronize()
                     kept.append(runner.graphs[graph_batch])  # a step in flight may still read its buffers
                     runner.graphs[graph_batch] = _DecodeGraph(runner, graph_batch, torch.cuda.graph_pool_handle())
-                steps[name].append(timed_steps(engine, args.steps))
+                steps[variant].append(timed_steps(engine, args.steps))
                 if graph_batch is not None:
-                    replays[name].append(replay_ms(runner.graphs[graph_batch].graph, args.steps))
-        for name, _ in variants:
-            rows.append(dict(model=model, quantization=args.quantization, batch=batch, variant=name,
-                             engine_step_ms=summary(steps[name]),
-                             graph_replay_ms=summary(replays[name]) if replays[name] else None))
-            log(f"{model} batch {batch} [{name}]: step {rows[-1]['engine_step_ms']['median']:.3f} ms"
-                + (f", replay {rows[-1]['graph_replay_ms']['median']:.3f} ms" if replays[name] else ""))
+                    replays[variant].append(replay_ms(runner.graphs[graph_batch].graph, args.steps))
+        for variant, _ in variants:
+            rows.append(dict(model=name, quantization=args.quantization, batch=batch, variant=variant,
+                             engine_step_ms=summary(steps[variant]),
+                             graph_replay_ms=summary(replays[variant]) if replays[variant] else None))
+            log(f"{name} batch {batch} [{variant}]: step {rows[-1]['engine_step_ms']['median']:.3f} ms"
+                + (f", replay {rows[-1]['graph_replay_ms']['median']:.3f} ms" if replays[variant] else ""))
         for request_id in list(engine.requests):
             engine.abort(request_id)
         while engine.has_unfinished():
@@ -166,10 +167,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.models.split(","):
             model = RANDOM_PREFIX + shape
-            if args.quantization == "int4":
-                model = str(int4_checkpoint(shape, 0, torch.device(args.device), Path(tmp)))
+            if args.quantization == "int4":  # a checkpoint a shape, its rows named by the shape
+                model = str(int4_checkpoint(shape, 0, torch.device(args.device), Path(tmp) / shape))
             try:
-                rows += run_model(model, args, variants)
+                rows += run_model(model, RANDOM_PREFIX + shape, args, variants)
             finally:
                 for (module, attribute), value in saved.items():
                     setattr(module, attribute, value)

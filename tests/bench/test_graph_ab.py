@@ -35,3 +35,18 @@ def test_graph_ab_smoke_times_each_variant_and_restores_the_settings(tmp_path: P
         assert len(row["engine_step_ms"]["runs"]) == 2 and row["engine_step_ms"]["median"] > 0
         assert row["graph_replay_ms"] is None
     assert "| random:tiny-llama3 | 2 |" in captured.out
+
+
+def test_int4_rows_are_named_by_their_shapes(tmp_path: Path, run_script, capsys) -> None:
+    """Each shape's INT4 checkpoint in its own folder, its rows under the shape's name (not the
+    checkpoint's temporary path, which the shapes shared)."""
+    out = tmp_path / "ab.json"
+    code = run_script("graph_ab.py", "--device", "cpu", "--quantization", "int4", "--models", "tiny-llama3,tiny-qwen2",
+                      "--batches", "1", "--rounds", "1", "--steps", "1", "--out", str(out),
+                      "--variant", "kernels.float_linear.ROWS_GEMV_MOST=1", "--variant", "kernels.float_linear.ROWS_GEMV_MOST=5")
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["quantization"]) for r in rows] == [("random:tiny-llama3", "int4")] * 2 + [
+        ("random:tiny-qwen2", "int4")] * 2
+    assert "| random:tiny-llama3 | 1 |" in captured.out and "| random:tiny-qwen2 | 1 |" in captured.out
