@@ -43,7 +43,8 @@ def test_int4_rows_are_named_by_their_shapes(tmp_path: Path, run_script, capsys)
     out = tmp_path / "ab.json"
     code = run_script("graph_ab.py", "--device", "cpu", "--quantization", "int4", "--models", "tiny-llama3,tiny-qwen2",
                       "--batches", "1", "--rounds", "1", "--steps", "1", "--out", str(out),
-                      "--variant", "kernels.float_linear.ROWS_GEMV_MOST=1", "--variant", "kernels.float_linear.ROWS_GEMV_MOST=5")
+                      "--variant", "kernels.float_linear.ROWS_GEMV_MOST=1",
+                      "--variant", "kernels.float_linear.ROWS_GEMV_MOST=5")
     captured = capsys.readouterr()
     assert code == 0, captured.err[-4000:]
     rows = json.loads(out.read_text())["rows"]
