@@ -30,11 +30,13 @@ MERGE_ROWS = 64
 MAX_PARTIAL_READS = 16 << 20
 # The most partial values a program holds at once: its splits in chunks of this many values.
 CHUNK_VALUES = 8192
-# Warps a program: its W_o block and partials spread over them (a module constant for bench/graph_ab.py).
+# Warps a program: its W_o block and partials spread over them (a module constant for bench/graph_ab.py;
+# 8 and 16 hold fewer registers but ran slower on the 0.5B and 1B shapes).
 MERGE_WARPS = 4
-# An A/B switch, untimed (bench/graph_ab.py; keep the faster side, delete the other): INT4 zero points
-# and scales loaded once a group of a head and applied to the group's summed words, not once a word.
-INT4_GROUP_LOADS = False
+# INT4 zero points and scales: loaded for every word of a program's W_o block, or, from this many words
+# a block (at MERGE_WARPS), once a group of a head and applied to the group's summed words. Per word,
+# the 0.5B shape's 4,096-word blocks spill; once a group, the 1B's 2,048 ran slower (docs/performance.md).
+INT4_GROUP_LOADS_WORDS = 4096
 
 
 # Weight formats the kernel reads (FORMAT): float [N, K]; FP8 int32 words of four e4m3 bytes [N, K / 4]
@@ -204,6 +206,7 @@ def _merge_o(splits: AttentionSplits, fmt: int, weight: torch.Tensor, scale: tor
     sumsq = torch.empty(1, tiles, dtype=torch.float32, device=weight.device)
     part, counts = split_workspace(out, splits.num_kv_heads, tiles)
     chunk = min(triton.next_power_of_2(num_splits), max(1, CHUNK_VALUES // (group_p2 * head_dim)))
+    group_loads = fmt == INT4_WORDS and MERGE_ROWS * group_p2 * head_dim // 8 >= INT4_GROUP_LOADS_WORDS
     pdl = programmatic_launch(weight)
     _merge_o_kernel[(tiles, splits.num_kv_heads)](
         splits.part_out, splits.part_lse, splits.seq_lens,
@@ -212,7 +215,7 @@ def _merge_o(splits: AttentionSplits, fmt: int, weight: torch.Tensor, scale: tor
         residual.reshape(1, -1).contiguous(), norm_weight.contiguous(), residual_out, sumsq,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, CHUNK=chunk,
         SPLIT_TOKENS=splits.split_tokens, ROWS=MERGE_ROWS, NUM_KV=splits.num_kv_heads, GROUP_SIZE=max(group_size, 1),
-        GROUP_LOADS=INT4_GROUP_LOADS, FORMAT=fmt,
+        GROUP_LOADS=group_loads, FORMAT=fmt,
         CVT=fmt == FP8_WORDS and fp8_linear.has_e4m3_cvt(weight.device), HAS_BIAS=bias is not None, PDL=pdl,
         num_warps=MERGE_WARPS, num_stages=1, **launch_options(pdl),
     )

@@ -29,8 +29,8 @@ def test_merge_o_add_norm(monkeypatch, fmt, dtype, model, seq_len) -> None:
     # The 8B shape's partials are over MAX_PARTIAL_READS, so the engine merges them apart; the
     # kernel must still be right there.
     monkeypatch.setattr(attention_projection, "MAX_PARTIAL_READS", 1 << 40)
-    if fmt == "int4-group-loads":  # the A/B switch's other side
-        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS", True)
+    if fmt.startswith("int4"):  # each side of the zero points' and scales' loads, at every shape
+        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS_WORDS", 0 if fmt == "int4-group-loads" else 1 << 40)
         fmt = "int4"
     layer = LAYERS[model]
     hidden, heads, kv_heads, head_dim = layer.hidden_size, layer.num_heads, layer.num_kv_heads, layer.head_dim

@@ -47,8 +47,8 @@ def test_merge_o_add_norm_matches_reference(triton_interpreter, monkeypatch, fmt
                                             fresh, chunk_values) -> None:
     monkeypatch.setattr(attention_projection, "MERGE_ROWS", 32)  # 80 outputs: two whole row tiles and a part
     monkeypatch.setattr(attention_projection, "CHUNK_VALUES", chunk_values)  # 256: two splits a chunk
-    if fmt == "int4-group-loads":  # two groups a 32-dim head (o_proj's group size 16)
-        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS", True)
+    if fmt.startswith("int4"):  # each side of the loads' rule; two groups a 32-dim head (group size 16)
+        monkeypatch.setattr(attention_projection, "INT4_GROUP_LOADS_WORDS", 0 if fmt == "int4-group-loads" else 1 << 40)
         fmt = "int4"
     gen = torch.Generator().manual_seed(seq_len + heads)
     dim, block_size, num_blocks, hidden, num_splits = 32, 4, 96, 80, 6
