@@ -175,9 +175,11 @@ def _fp8_gemv_kernel(
         p = tl.load(w_rows + c_next[None, :], mask=row_ok[:, None] & (c_next < w_end)[None, :], other=0)
     if not CVT:
         scale *= 1.329227995784916e36  # 2**120
-    y = tl.sum(acc, axis=1) * scale
     if NORM_IN:
-        y *= factor
+        scale *= factor
+    # Scaled before the sum, so the epilogue's bias add follows an add: after a multiply the compiler
+    # fused the two in some epilogues (RoPE) and not in others (the plain store), and they differed.
+    y = tl.sum(acc * scale[:, None], axis=1)
     store_one_row_outputs(y, rows, row_ok, out_ptr, bias_ptr, part_ptr, count_ptr, N, bias, residual, norm_w,
                           residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
                           cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
