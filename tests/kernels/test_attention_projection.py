@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import kernels.attention_projection as attention_projection
+from engine.models.config import ModelConfig
+from engine.models.shapes import shape_config
 from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm, merges_splits
 from kernels.decode_attention import AttentionSplits, decode_attention_splits
 from kernels.fp8_linear import quantize_fp8
@@ -86,3 +88,24 @@ def test_only_one_row_whose_partials_fit_merges_in_o_proj(monkeypatch) -> None:
     assert not merges_splits(splits(1, 32, 32, 128), 4096, llama_8b)  # 64 row tiles, 32 MB
     assert not merges_splits(splits(2, 32, 32, 64), 2048, llama_1b)
     assert not merges_splits(splits(1, 32, 32, 64), 2048, llama_1b.t())
+
+
+@pytest.mark.parametrize("model, group_loads", [("qwen2.5-0.5b", True), ("llama-3.2-1b", False)])
+def test_int4_group_loads_go_to_the_blocks_that_spilled_per_word(monkeypatch, model, group_loads) -> None:
+    """The INT4 merge-o loads zero points and scales once a group only from INT4_GROUP_LOADS_WORDS
+    words a block: the 0.5B shape's (7 heads a KV group, 64 rows x 8 x 8 words), not the 1B's (4)."""
+    cfg = ModelConfig.from_hf(shape_config(model))
+    heads, kv_heads, dim, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    launches = []
+
+    class Kernel:  # records the launch instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+    monkeypatch.setattr(attention_projection, "_merge_o_kernel", Kernel())
+    splits = AttentionSplits(torch.zeros(1, heads, 8, dim), torch.zeros(1, heads, 8), torch.tensor([100]), kv_heads,
+                             64, torch.float16)
+    groups = heads * dim // 128
+    scales = torch.ones(hidden, groups, dtype=torch.float16)
+    int4_merge_o_add_norm(splits, torch.zeros(hidden, heads * dim // 8, dtype=torch.int32), scales.clone(), scales,
+                          128, None, torch.zeros(1, hidden, dtype=torch.float16), scales[:, 0].clone(), 1e-6)
+    assert [k["GROUP_LOADS"] for k in launches] == [group_loads]
