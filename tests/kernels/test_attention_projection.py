@@ -7,14 +7,13 @@ import pytest
 import torch
 
 import kernels.attention_projection as attention_projection
-from engine.models.config import ModelConfig
-from engine.models.shapes import shape_config
 from kernels.attention_projection import fp8_merge_o_add_norm, int4_merge_o_add_norm, merge_o_add_norm, merges_splits
 from kernels.decode_attention import AttentionSplits, decode_attention_splits
 from kernels.fp8_linear import quantize_fp8
 from kernels.int4_layout import dequantize_int4, pack_int4
 from kernels.rmsnorm import add_norm_ref
 from kernels.split_k import _TILE_COUNTS
+from tests.gpu.shapes import LAYERS
 from tests.kernels.conftest import nan_poisoned_allocations
 from tests.kernels.test_attention import dense_attention
 
@@ -94,7 +93,7 @@ def test_only_one_row_whose_partials_fit_merges_in_o_proj(monkeypatch) -> None:
 def test_int4_group_loads_go_to_the_blocks_that_spilled_per_word(monkeypatch, model, group_loads) -> None:
     """The INT4 merge-o loads zero points and scales once a group only from INT4_GROUP_LOADS_WORDS
     words a block: the 0.5B shape's (7 heads a KV group, 64 rows x 8 x 8 words), not the 1B's (4)."""
-    cfg = ModelConfig.from_hf(shape_config(model))
+    cfg = LAYERS[model]
     heads, kv_heads, dim, hidden = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     launches = []
 
