@@ -430,22 +430,28 @@ def test_steps_go_ahead_of_drafts_only_where_asked() -> None:
                      speculative_overlap=True) is None
 
 
+TIGHT_PROMPTS = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
+TIGHT_GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tight_expected(engines) -> list[Completion]:
+    """TIGHT_PROMPTS without speculation, once for both ways of stepping."""
+    return engines[0].generate(TIGHT_PROMPTS, TIGHT_GREEDY)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, engines, overlap) -> None:
-    base, _ = engines
+def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, tight_expected, overlap) -> None:
     tight = make_engine(default_model_dir, kv_cache_memory=14 * BLOCK_BYTES, speculative_method="ngram",
                         speculative_max_batch=4, speculative_gate=False, speculative_overlap=overlap)
     if overlap:
         always_ahead(tight)
-    prompts = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
-    greedy = SamplingParams(temperature=0, max_tokens=40)
-    expected = base.generate(prompts, greedy)
-    for a, b in zip(expected, tight.generate(prompts, greedy)):
+    for a, b in zip(tight_expected, tight.generate(TIGHT_PROMPTS, TIGHT_GREEDY)):
         assert_same(a, b)
     assert tight.stats().preemptions > 0 and tight.stats().accepted_draft_tokens > 0
-    [again] = tight.generate(prompts[:1], greedy)  # served from the prefix cache this time
+    [again] = tight.generate(TIGHT_PROMPTS[:1], TIGHT_GREEDY)  # served from the prefix cache this time
     assert again.usage.cached_tokens > 0
-    assert_same(expected[0], again)
+    assert_same(tight_expected[0], again)
     assert tight.block_manager.num_used_blocks == 0
 
 
