@@ -101,7 +101,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_o_t, stride
 
 
 # Warps a split program: its key tile and the group's query heads over them (a module constant for
-# bench/graph_ab.py; 8 tied at one row and ran slower at eight).
+# bench/graph_ab.py; 8 warps tied at batch 1 and ran slower at batch 8).
 SPLIT_WARPS = 4
 
 
