@@ -18,17 +18,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import activation
-from kernels.dispatch import (folds_norms, has_tma, launch_next_kernel, launch_options, programmatic_launch, use_triton,
+from kernels.dispatch import (folds_norms, launch_next_kernel, launch_options, programmatic_launch, use_triton,
                               wait_for_previous_kernel)
 from kernels.int4_layout import dequantize_int4
 from kernels.rmsnorm import NormScale, rms_norm
 from kernels.rope import RopeKV, rope_arguments, rope_store_qkv
 from kernels.split_k import (add_norm_operands, few_rows, gemv_split, large_tiling, matmul_config, matmul_outputs,
-                             norm_arguments, norm_factor, one_row_outputs, one_row_rows, split_k_for,
-                             split_workspace, store_matmul_outputs, store_one_row, store_one_row_outputs)
+                             norm_arguments, norm_factor, one_row_outputs, split_k_for, split_workspace,
+                             store_matmul_outputs, store_one_row_outputs)
 
 # Above this many rows (prefill chunks) the weight is dequantized into x's dtype once and the
 # product is cuBLAS's; up to it, the tile GEMM reads the 4-bit weights directly. 1,024 lies between
@@ -99,33 +98,6 @@ def _add_nibble_pair(sums, t, one_bits, sixteen_bits, x_even, x_odd):
 
 
 @triton.jit
-def _nibble_sums(p, e0, o0, e1, o1, e2, o2, e3, o3, one_bits, sixteen_bits, ROWS: tl.constexpr,
-                 BLOCK_W: tl.constexpr):
-    """The products of a step's words p [ROWS, BLOCK_W] with _word_inputs' inputs, each word's
-    eight summed (with the constants _add_nibble_pair leaves)."""
-    # Nibbles 2i and 2i + 1 (bits 8i..8i+7) to bits 15 and 19.
-    sums = _add_nibble_pair(tl.zeros([ROWS, BLOCK_W], dtype=tl.float32), p << 15, one_bits, sixteen_bits, e0, o0)
-    sums = _add_nibble_pair(sums, p << 7, one_bits, sixteen_bits, e1, o1)
-    sums = _add_nibble_pair(sums, p >> 1, one_bits, sixteen_bits, e2, o2)
-    return _add_nibble_pair(sums, p >> 9, one_bits, sixteen_bits, e3, o3)
-
-
-@triton.jit
-def _input_sums(e0, o0, e1, o1, e2, o2, e3, o3, WPG: tl.constexpr):
-    """A step's inputs summed per group, over even and odd k: what the constants and zero points take off."""
-    e = tl.sum(tl.reshape(e0 + e1 + e2 + e3, [e0.shape[0] // WPG, WPG]), axis=1)
-    o = tl.sum(tl.reshape(o0 + o1 + o2 + o3, [e0.shape[0] // WPG, WPG]), axis=1)
-    return e, o
-
-
-@triton.jit
-def _add_groups(acc, sums, z, s, e, o, ROWS: tl.constexpr, WPG: tl.constexpr):
-    """acc [ROWS, groups a step] plus each group's s * (q . x - z * sum(x)), over 16."""
-    qx = tl.sum(tl.reshape(sums, [ROWS, sums.shape[1] // WPG, WPG]), axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
-    return acc + s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, stride_g,
     words_per_split, one_bits, in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
@@ -173,9 +145,15 @@ def _int4_gemv_kernel(
         p_next, z_next, s_next = _gemv_step(w_tile, z_rows, s_rows, row_ok, c0 + BLOCK_W, w_end, BLOCK_W, WPG)
         cols = c0 + tl.arange(0, BLOCK_W)
         e0, o0, e1, o1, e2, o2, e3, o3 = _word_inputs(x_ptr, cols, cols < w_end, BLOCK_W)
-        sums = _nibble_sums(p, e0, o0, e1, o1, e2, o2, e3, o3, one_bits, sixteen_bits, ROWS, BLOCK_W)
-        e, o = _input_sums(e0, o0, e1, o1, e2, o2, e3, o3, WPG)
-        acc = _add_groups(acc, sums, z, s, e, o, ROWS, WPG)
+        # Nibbles 2i and 2i + 1 (bits 8i..8i+7) to bits 15 and 19.
+        sums = _add_nibble_pair(tl.zeros([ROWS, BLOCK_W], dtype=tl.float32), p << 15, one_bits, sixteen_bits, e0, o0)
+        sums = _add_nibble_pair(sums, p << 7, one_bits, sixteen_bits, e1, o1)
+        sums = _add_nibble_pair(sums, p >> 1, one_bits, sixteen_bits, e2, o2)
+        sums = _add_nibble_pair(sums, p >> 9, one_bits, sixteen_bits, e3, o3)
+        e = tl.sum(tl.reshape(e0 + e1 + e2 + e3, [GPS, WPG]), axis=1)
+        o = tl.sum(tl.reshape(o0 + o1 + o2 + o3, [GPS, WPG]), axis=1)
+        qx = tl.sum(tl.reshape(sums, [ROWS, GPS, WPG]), axis=2) - (16.0 * e + o)[None, :]  # q . x / 16
+        acc += s.to(tl.float32) * (qx - z.to(tl.float32) * ((e + o) * 0.0625)[None, :])
         p, z, s = p_next, z_next, s_next
     y = tl.sum(acc, axis=1) * 16.0
     if NORM_IN:
@@ -184,87 +162,6 @@ def _int4_gemv_kernel(
                           residual_out_ptr, sumsq_ptr, slot, cos, sin, k_cache_ptr, v_cache_ptr, cache_stride_slot,
                           cache_stride_h, num_heads, num_kv_heads, HAS_BIAS, SPLIT_K, SILU_MUL, ADD_NORM, ROPE, ROWS,
                           HALF)
-
-
-@triton.jit
-def _group_params(z_rows, s_rows, row_ok, c0, w_end, WPG: tl.constexpr, GPS: tl.constexpr):
-    """The zero points and scales [rows, GPS] of the groups of words c0 .. c0 + GPS * WPG; zeros past w_end."""
-    g = c0 // WPG + tl.arange(0, GPS)
-    ok = row_ok[:, None] & (g < w_end // WPG)[None, :]
-    return tl.load(z_rows + g[None, :], mask=ok, other=0.0), tl.load(s_rows + g[None, :], mask=ok, other=0.0)
-
-
-@triton.jit
-def _add_tma_step(acc_a, acc_b, pa, z_a, s_a, pb, z_b, s_b, x_ptr, c0, w_end, one_bits, sixteen_bits,
-                  TILE: tl.constexpr, BLOCK_W: tl.constexpr, WPG: tl.constexpr, SILU_MUL: tl.constexpr):
-    """_int4_gemv_tma_kernel's step at words c0: tile a (and with SILU_MUL tile b) against its inputs."""
-    cols = c0 + tl.arange(0, BLOCK_W)
-    e0, o0, e1, o1, e2, o2, e3, o3 = _word_inputs(x_ptr, cols, cols < w_end, BLOCK_W)
-    sums_a = _nibble_sums(pa, e0, o0, e1, o1, e2, o2, e3, o3, one_bits, sixteen_bits, TILE, BLOCK_W)
-    if SILU_MUL:
-        sums_b = _nibble_sums(pb, e0, o0, e1, o1, e2, o2, e3, o3, one_bits, sixteen_bits, TILE, BLOCK_W)
-    e, o = _input_sums(e0, o0, e1, o1, e2, o2, e3, o3, WPG)
-    acc_a = _add_groups(acc_a, sums_a, z_a, s_a, e, o, TILE, WPG)
-    if SILU_MUL:
-        acc_b = _add_groups(acc_b, sums_b, z_b, s_b, e, o, TILE, WPG)
-    return acc_a, acc_b
-
-
-@triton.jit
-def _int4_gemv_tma_kernel(
-    x_ptr, w_desc, zeros_ptr, scales_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_g, words_per_split, one_bits,
-    in_sumsq_ptr, in_parts, eps,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
-    SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, PDL: tl.constexpr,
-):
-    """_int4_gemv_kernel for a wide weight (gate/up, an int4 lm_head), its words streamed by the
-    tensor memory accelerator: STAGES steps in flight through shared memory rather than the next
-    step's words in registers, the first step read before the wait. With SILU_MUL a step is two
-    tiles, the program's ROWS / 2 gate rows and their up rows N / 2 further on, against the same
-    inputs. The same arithmetic as _int4_gemv_kernel; its plain or SiLU·up store."""
-    WPG: tl.constexpr = GROUP // 8
-    GPS: tl.constexpr = BLOCK_W // WPG
-    TILE: tl.constexpr = ROWS // 2 if SILU_MUL else ROWS  # weight rows a tile
-    rows, row_ok = one_row_rows(N, ROWS, SILU_MUL)
-    r0 = tl.program_id(0) * TILE
-    w_begin = tl.program_id(1) * words_per_split
-    w_end = tl.multiple_of(tl.minimum(w_begin + words_per_split, K // 8), WPG)
-    a = r0 + tl.arange(0, TILE)  # the gate rows (SILU_MUL) or all of them
-    a_ok = a < (N // 2 if SILU_MUL else N)
-    b = a + N // 2  # their up rows
-    za = zeros_ptr + a.to(tl.int64)[:, None] * stride_g
-    sa = scales_ptr + a.to(tl.int64)[:, None] * stride_g
-    zb = zeros_ptr + b.to(tl.int64)[:, None] * stride_g
-    sb = scales_ptr + b.to(tl.int64)[:, None] * stride_g
-    pa = w_desc.load([r0, w_begin])
-    z_a, s_a = _group_params(za, sa, a_ok, w_begin, w_end, WPG, GPS)
-    pb, z_b, s_b = pa, z_a, s_a
-    if SILU_MUL:
-        pb = w_desc.load([r0 + N // 2, w_begin])
-        z_b, s_b = _group_params(zb, sb, a_ok, w_begin, w_end, WPG, GPS)
-    wait_for_previous_kernel(PDL)
-    if NORM_IN:  # its partial sums' latency under the loop's
-        factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
-    sixteen_bits = one_bits + 0x2000000  # the exponent of 16.0: even nibbles read 16 + q / 16
-    acc_a, acc_b = _add_tma_step(tl.zeros([TILE, GPS], dtype=tl.float32), tl.zeros([TILE, GPS], dtype=tl.float32),
-                                 pa, z_a, s_a, pb, z_b, s_b, x_ptr, w_begin, w_end, one_bits, sixteen_bits, TILE,
-                                 BLOCK_W, WPG, SILU_MUL)
-    # Loads at the top of the body, used in it: the pattern Triton's pipeliner streams STAGES ahead.
-    for c0 in tl.range(w_begin + BLOCK_W, w_end, BLOCK_W, num_stages=STAGES):
-        pa = w_desc.load([r0, c0])
-        z_a, s_a = _group_params(za, sa, a_ok, c0, w_end, WPG, GPS)
-        if SILU_MUL:
-            pb = w_desc.load([r0 + N // 2, c0])
-            z_b, s_b = _group_params(zb, sb, a_ok, c0, w_end, WPG, GPS)
-        acc_a, acc_b = _add_tma_step(acc_a, acc_b, pa, z_a, s_a, pb, z_b, s_b, x_ptr, c0, w_end, one_bits,
-                                     sixteen_bits, TILE, BLOCK_W, WPG, SILU_MUL)
-    if SILU_MUL:
-        y = tl.interleave(tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)) * 16.0  # one_row_rows' order
-    else:
-        y = tl.sum(acc_a, axis=1) * 16.0
-    if NORM_IN:
-        y *= factor
-    store_one_row(y, rows, row_ok, out_ptr, out_ptr, part_ptr, count_ptr, N, False, SPLIT_K, SILU_MUL, ROWS)
 
 
 @triton.jit
@@ -411,8 +308,6 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
     with silu_mul); with add_norm (residual [1, N], norm weight [N]), out is h * norm weight, and
     the new residual h and the sums of squares per row tile come too (else None, None); with rope,
     out is the rotated q [1, heads, head_dim] and k and v are in the caches."""
-    if bias is None and add_norm is None and rope is None and tma_fits(x, weight):
-        return _one_row_tma(x, weight, zeros, scales, group_size, silu_mul, norm_in), None, None
     out_features, words = weight.shape
     in_features = words * 8
     cfg = gemv_config(out_features, in_features, group_size)
@@ -431,48 +326,6 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales:
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
-
-
-# Whether the wide weights' one-row GEMV streams through TMA where it may (tma_fits): a setting so
-# that bench/graph_ab.py can A/B it in one process.
-TMA_GEMV = True
-
-
-def tma_config(group_size: int) -> dict[str, int]:
-    """_int4_gemv_tma_kernel's tiling: 16 weight rows a program of 2 warps, 128 words (1,024 inputs)
-    of each a step, 3 steps in flight (the fastest of the TMA tilings timed on the 1B and 0.5B shapes'
-    gate/up; docs/performance.md)."""
-    return dict(ROWS=16, BLOCK_W=max(128, group_size // 8), num_warps=2, STAGES=3)
-
-
-def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether one row over this weight [N, K / 8] may take _int4_gemv_tma_kernel: a wide weight of
-    the large tiling (out >= in: gate/up, lm_head), on a GPU with the tensor memory accelerator (or
-    Triton's interpreter), its rows 16-byte aligned as TMA needs."""
-    out_features, words = weight.shape
-    return (TMA_GEMV and large_tiling(out_features, words * 8) and out_features >= words * 8 and out_features % 2 == 0
-            and has_tma(x) and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
-
-
-def _one_row_tma(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                 silu_mul: bool, norm_in: NormScale | None) -> torch.Tensor:
-    """x [1, K] over a wide weight (tma_fits) through _int4_gemv_tma_kernel: [1, N] ([1, N / 2] with
-    silu_mul)."""
-    out_features, words = weight.shape
-    cfg = tma_config(group_size)
-    rows, block_w = cfg.pop("ROWS"), cfg["BLOCK_W"]
-    tiles = triton.cdiv(out_features // 2, rows // 2) if silu_mul else triton.cdiv(out_features, rows)
-    out = torch.empty(1, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device)
-    split_k, per_split = gemv_split(tiles, words, block_w, x.device)
-    part, counts = split_workspace(out.view(1, -1), split_k, tiles, out_features)
-    norm_args, _, _ = norm_arguments(out, tiles, norm_in, None)
-    desc = TensorDescriptor.from_tensor(weight, [rows // 2 if silu_mul else rows, block_w])
-    pdl = programmatic_launch(x)
-    _int4_gemv_tma_kernel[(tiles, split_k)](
-        x, desc, zeros, scales, out, part, counts, out_features, words * 8, zeros.stride(0), per_split, ONE_BITS,
-        *norm_args[:3], GROUP=group_size, ROWS=rows, SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None,
-        PDL=pdl, num_stages=1, **cfg, **launch_options(pdl))
-    return out
 
 
 def _int4_matmul(x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.int4_linear as int4_module
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.int4_layout import dequantize_int4, pack_int4
 from kernels.int4_linear import (TILE_GEMM_MAX_ROWS, dequantize_int4_triton, int4_linear, int4_linear_add_norm,
-                                 int4_linear_ref, tma_fits)
-from kernels.rmsnorm import NormScale, add_norm_ref, rms_norm_ref
-from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split, split_k_for
+                                 int4_linear_ref)
+from kernels.rmsnorm import add_norm_ref, rms_norm_ref
+from kernels.split_k import _TILE_COUNTS, FEW_ROWS, split_k_for
 from tests.kernels.conftest import nan_poisoned_allocations
 
 # Rows 2 to FEW_ROWS go through the few-row kernels here, as the layers do not send them (split_k.FUSED_ROWS).
@@ -99,50 +98,6 @@ def test_gemv_ends_in_silu_mul_as_the_two_kernels_do(triton_interpreter, monkeyp
     ref = int4_linear_ref(x, weight, zeros, exact_scales, 64, bias, silu_mul=True)
     torch.testing.assert_close(fused, ref, **GEMV_TOLERANCE[dtype])
     assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("in_features, out_features, group_size, step, norm_in",
-                         [(1152, 1240, 64, None, True), (288, 296, 32, 8, False)], ids=["partial-step", "split-k"])
-def test_tma_gemv_matches_the_reference(triton_interpreter, monkeypatch, dtype, in_features, out_features,
-                                        group_size, step, norm_in) -> None:
-    # A wide weight of the large tiling streams through TMA, plain and SiLU·up. At the engine's
-    # tiling 1,152 inputs are a step of 128 words and a partial one (loaded as zeros), and 1,240
-    # outputs leave the last row tile partial. At 8 words a step (the interpreter's time) 296 rows
-    # over 288 inputs are split along K, the last split a partial step, and summed by the last split.
-    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
-    if step is not None:
-        config = int4_module.tma_config
-        monkeypatch.setattr(int4_module, "tma_config", lambda group_size: config(group_size) | dict(BLOCK_W=step))
-    gen = torch.Generator().manual_seed(in_features + out_features)
-    weight, zeros, scales = int4_weight(in_features, out_features, group_size, gen)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    norm = NormScale(torch.rand(1, 3, generator=gen) * in_features, 1e-5) if norm_in else None
-    cfg = int4_module.tma_config(group_size)
-    split = gemv_split(-(-out_features // cfg["ROWS"]), in_features // 8, cfg["BLOCK_W"], x.device)
-    assert tma_fits(x, weight) and in_features % (8 * cfg["BLOCK_W"]) and (split[0] > 1) == (step is not None)
-    with nan_poisoned_allocations():
-        out = int4_linear(x, weight, zeros, scales, group_size, norm_in=norm)
-        fused = int4_linear(x, weight, zeros, scales, group_size, silu_mul=True, norm_in=norm)
-    exact_scales = scales.to(torch.promote_types(dtype, scales.dtype))
-    ref = int4_linear_ref(x if norm is None else norm.apply(x), weight, zeros, exact_scales, group_size)
-    torch.testing.assert_close(out, ref, **GEMV_TOLERANCE[dtype])
-    # SiLU·up's tiles of gate rows and of up rows sum each row as the plain tiles do; rounded to x's
-    # dtype first, as the activation kernel takes the stored projection.
-    assert fused.shape == (1, out_features // 2)
-    torch.testing.assert_close(fused, silu_mul(out), rtol=2e-6, atol=2e-6)
-    assert not _TILE_COUNTS.get(x.device, torch.zeros(1)).any()
-
-
-def test_tma_takes_wide_large_weights_only(triton_interpreter, monkeypatch) -> None:
-    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 128 * 128)
-    x = torch.zeros(1, 128)
-    assert tma_fits(x, torch.zeros(128, 16, dtype=torch.int32))
-    assert not tma_fits(x, torch.zeros(64, 16, dtype=torch.int32))  # small
-    assert not tma_fits(torch.zeros(1, 512), torch.zeros(64, 64, dtype=torch.int32))  # deep (down)
-    assert not tma_fits(torch.zeros(1, 24), torch.zeros(1024, 3, dtype=torch.int32))  # rows of 12 bytes
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert not tma_fits(x, torch.zeros(128, 16, dtype=torch.int32))  # a CPU tensor, no interpreter
 
 
 @pytest.mark.parametrize("rows", [1, 5, FEW_ROWS + 1])

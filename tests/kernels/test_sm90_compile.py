@@ -27,7 +27,6 @@ def test_every_decoder_kernel_compiles_for_hopper() -> None:
     for kernel, flag in [("_float_gemv_kernel", "ROPE"), ("_float_gemv_kernel", "ADD_NORM"),
                          ("_float_rows_kernel", "ROPE"), ("_float_rows_kernel", "ADD_NORM"),
                          ("_fp8_gemv_kernel", "ROPE"), ("_fp8_matmul_kernel", "FEW"), ("_int4_gemv_kernel", "ROPE"),
-                         ("_int4_gemv_tma_kernel", "SILU_MUL"),
                          ("_int4_matmul_kernel", "FEW"), ("_decode_split_kernel", "PDL"),
                          ("_decode_split_kernel", "NUM_SPLITS=1"), ("_embed_rms_norm_kernel", "HAS_PREV"),
                          ("_stage_kernel", "ROWS=4"), ("_gumbel_argmax_kernel", "HOST")]:
