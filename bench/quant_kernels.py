@@ -184,12 +184,17 @@ def float_one_row_tilings(copies: int = 16) -> None:
 @contextlib.contextmanager
 def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     """Decode batches up to FEW_ROWS on one path for a while: "cublas" is cuBLAS and the norm,
-    SiLU·up and RoPE kernels; "dots" the tensor-core few-row kernel for small weights too; else the
+    SiLU·up and RoPE kernels; "dots" the tensor-core few-row kernel for small weights too; "gemv" the
+    rows GEMV for every weight up to its most rows; else the
     engine's choice, the tensor-core kernel on this tiling (None: rows_config's)."""
-    saved = float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST
+    saved = (float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST,
+             float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE)
     float_module.FLOAT_FUSED_ROWS = dict.fromkeys(saved[0], 1 if tiling == "cublas" else split_k_module.FEW_ROWS)
     if tiling == "dots":  # every weight through the tensor-core kernel, small ones too
         float_module.ROWS_GEMV_MOST = 1
+    if tiling == "gemv":  # every weight through the rows GEMV, up to its most rows
+        float_module.ROWS_GEMV_MOST = float_module.ROWS_GEMV_MAX
+        float_module.ROWS_GEMV_SPLIT = float_module.ROWS_GEMV_LARGE = True
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
         float_module.rows_config = lambda element_size: dict(
@@ -197,7 +202,8 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     try:
         yield
     finally:
-        float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST = saved
+        (float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST,
+         float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE) = saved
 
 
 def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
@@ -295,7 +301,7 @@ def main() -> None:
         float_one_row_tilings()
         return
     if args.float_few_rows:
-        tilings = (tuple(None if t == "default" else t if t == "dots" else tuple(map(int, t.split("x")))
+        tilings = (tuple(None if t == "default" else t if t in ("dots", "gemv") else tuple(map(int, t.split("x")))
                          for t in args.tilings.split(","))
                    if args.tilings else FEW_ROWS_TILINGS)
         float_few_rows_tilings(tilings, tuple(args.projections.split(",")), tuple(map(int, args.rows.split(","))),

@@ -163,42 +163,78 @@ def _float_rows_kernel(
 
 
 @triton.jit
+def _row_sum(w, x_ptrs, ok, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """w [ROWS, BLOCK_K] times one row of x, summed over each run of VEC inputs: [ROWS, BLOCK_K / VEC]
+    (a thread's own runs: no shuffles)."""
+    xk = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return tl.sum(tl.reshape(w * xk[None, :], [ROWS, BLOCK_K // VEC, VEC]), axis=2)
+
+
+@triton.jit
+def _row_sums(w, x_ptrs, stride_x, M, ok, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """_row_sum for rows 0 .. BLOCK_M of x (2, 4 or 8; rows from M on read as zeros), joined along
+    a last axis [ROWS, BLOCK_K / VEC, BLOCK_M] that stays in each thread. A join's new axis is the
+    minor one, so the even rows are joined first, then with the odd."""
+    r0 = _row_sum(w, x_ptrs, ok & (M > 0), ROWS, BLOCK_K, VEC)
+    r1 = _row_sum(w, x_ptrs + stride_x, ok & (M > 1), ROWS, BLOCK_K, VEC)
+    if BLOCK_M == 2:
+        s = tl.join(r0, r1)
+    else:
+        r2 = _row_sum(w, x_ptrs + 2 * stride_x, ok & (M > 2), ROWS, BLOCK_K, VEC)
+        r3 = _row_sum(w, x_ptrs + 3 * stride_x, ok & (M > 3), ROWS, BLOCK_K, VEC)
+        if BLOCK_M == 4:
+            s = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, BLOCK_K // VEC, 4])
+        else:
+            r4 = _row_sum(w, x_ptrs + 4 * stride_x, ok & (M > 4), ROWS, BLOCK_K, VEC)
+            r5 = _row_sum(w, x_ptrs + 5 * stride_x, ok & (M > 5), ROWS, BLOCK_K, VEC)
+            r6 = _row_sum(w, x_ptrs + 6 * stride_x, ok & (M > 6), ROWS, BLOCK_K, VEC)
+            r7 = _row_sum(w, x_ptrs + 7 * stride_x, ok & (M > 7), ROWS, BLOCK_K, VEC)
+            evens = tl.join(tl.join(r0, r4), tl.join(r2, r6))
+            odds = tl.join(tl.join(r1, r5), tl.join(r3, r7))
+            s = tl.reshape(tl.join(evens, odds), [ROWS, BLOCK_K // VEC, 8])
+    return s
+
+
+@triton.jit
 def _float_rows_gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, k_per_split,
     in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
     cache_stride_h, num_heads, num_kv_heads,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):
     """_float_rows_kernel for small weights, on the CUDA cores: each program reads its ROWS weight
-    rows once, whole K and unsplit, as the one-row GEMV does (BLOCK_K inputs a step, the first
-    before the wait), and sums them against each of the M rows of x in turn; the few-row epilogues
-    after."""
+    rows once, as the one-row GEMV does (BLOCK_K inputs a step, the first before the wait; split
+    along K as it splits), and multiplies each weight by all M rows of x in registers. Each thread
+    sums its products over the VEC adjacent inputs it holds of a row (no shuffles in the loop), so
+    its float32 sums are BLOCK_M x its rows x its runs of VEC, reduced across threads once at the
+    end; the few-row epilogues after."""
+    VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth  # inputs in one 16-byte load
     m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, ROWS,
         1, True, SILU_MUL, ROPE, HALF)
+    k_begin = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
-    wait_for_previous_kernel(PDL, False)
-    acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = k_begin + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_end)[None, :], other=0.0)
+    wait_for_previous_kernel(PDL, EARLY_LAUNCH)
+    acc = tl.zeros([ROWS, BLOCK_K // VEC, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        wf = w.to(tl.float32)
-        for i in tl.static_range(BLOCK_M):
-            xk = tl.load(x_ptr + i * stride_x + k, mask=(k < K) & (i < M), other=0.0).to(tl.float32)
-            y = tl.sum(wf * xk[None, :], axis=1)
-            acc = tl.where(m[:, None] == i, acc + y[None, :], acc)
+        acc += _row_sums(w.to(tl.float32), x_ptr + k, stride_x, M, k < k_end, ROWS, BLOCK_K, VEC, BLOCK_M)
         k_next = k + BLOCK_K  # the next weights in flight while these are summed
-        w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < K)[None, :], other=0.0)
-    launch_next_kernel(PDL)
-    # Unsplit: out stands in for the split-K workspace and counters, which SPLIT_K = 1 never reads.
-    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, out_ptr, out_ptr, M, N, K, in_sumsq_ptr,
+        w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
+    if not EARLY_LAUNCH:
+        launch_next_kernel(PDL)
+    acc = tl.trans(tl.sum(acc, axis=1))  # [BLOCK_M, ROWS]
+    store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
                          in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
-                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads, HAS_BIAS,
-                         1, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
+                         k_cache_ptr, v_cache_ptr, cache_stride_slot, cache_stride_h, num_heads, num_kv_heads,
+                         HAS_BIAS, SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
 
 
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
@@ -240,17 +276,27 @@ FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.floa
 
 
 # The most rows that take _float_rows_gemv_kernel (where rows_gemv_fits) rather than the tensor-core
-# few-row kernel: it sums each row of x against the weights in turn, which at 5 and 8 rows cost more
-# than the dots (docs/performance.md).
+# few-row kernel (docs/performance.md); at most ROWS_GEMV_MAX, the rows its sums are written for.
 ROWS_GEMV_MOST = 2
+ROWS_GEMV_MAX = 8
+# Whether the rows GEMV takes a small weight that the one-row GEMV splits along K (the 1B shape's O),
+# split as that GEMV splits it; and whether it takes large weights too (a module constant each, for
+# bench/graph_ab.py).
+ROWS_GEMV_SPLIT = False
+ROWS_GEMV_LARGE = False
+# Whether the rows GEMV lets the next kernel launch at its wait, as the one-row GEMV does, rather
+# than after its K loop, as the tensor-core kernel does (a module constant, for bench/graph_ab.py).
+ROWS_GEMV_EARLY_LAUNCH = False
 
 
 def rows_gemv_fits(out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
     """Whether a few rows over this weight may take _float_rows_gemv_kernel: a small weight (not
-    large_tiling) that the one-row GEMV reads unsplit, where reading each weight once before the
-    wait measured faster than the dots; split along K (the 1B shape's O) it did not."""
-    if large_tiling(out_features, in_features):
+    large_tiling; any with ROWS_GEMV_LARGE) that the one-row GEMV reads unsplit (or split, with
+    ROWS_GEMV_SPLIT)."""
+    if large_tiling(out_features, in_features) and not ROWS_GEMV_LARGE:
         return False
+    if ROWS_GEMV_SPLIT:
+        return True
     cfg = gemv_config(out_features, in_features, element_size)
     return gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"], device)[0] == 1
 
@@ -316,7 +362,7 @@ def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [M, K] (2 <= M <= ROWS_GEMV_MOST, a weight rows_gemv_fits) through _float_rows_gemv_kernel
-    at the one-row GEMV's small tiling, unsplit; its outputs as _rows'."""
+    at the one-row GEMV's tiling and K split; its outputs as _rows'."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     q, rope_args = rope_arguments(x, rope)
@@ -327,14 +373,16 @@ def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     per_program = cfg.pop("ROWS")
     paired = silu_mul or rope is not None
     tiles = triton.cdiv(out_features // 2 if paired else out_features, per_program // 2 if paired else per_program)
+    split_k, per_split = gemv_split(tiles, in_features, cfg["BLOCK_K"], x.device)
+    part, counts = split_workspace(out.view(rows, -1), split_k, tiles, out_features)
     norm_args, residual_out, sumsq = norm_arguments(out, tiles, norm_in, add_norm)
     pdl = programmatic_launch(x)
-    _float_rows_gemv_kernel[(tiles,)](
-        x, weight, bias, out, rows, out_features, in_features, x.stride(0), weight.stride(0),
+    _float_rows_gemv_kernel[(tiles, split_k)](
+        x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), ROWS=per_program,
-        SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, num_stages=1, **cfg,
-        **launch_options(pdl))
+        SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, EARLY_LAUNCH=ROWS_GEMV_EARLY_LAUNCH,
+        num_stages=1, **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
@@ -347,7 +395,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         return _gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    if rows <= ROWS_GEMV_MOST and rows_gemv_fits(out_features, in_features, weight.element_size(), x.device):
+    if (rows <= min(ROWS_GEMV_MOST, ROWS_GEMV_MAX)
+            and rows_gemv_fits(out_features, in_features, weight.element_size(), x.device)):
         return _rows_gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import float_linear as float_linear_module
 from kernels.activation import silu_mul
 from kernels.float_linear import float_linear, float_linear_add_norm, float_linear_ref, float_linear_rope_kv, tma_fits
 from kernels.rmsnorm import rms_norm
@@ -14,9 +15,18 @@ from tests.gpu.shapes import LAYERS, projections, qkv_features
 from tests.gpu.test_quant_kernels_cuda import check_rope_epilogue, replayed
 from tests.kernels.conftest import nan_poisoned_allocations
 
-# Rows 2 to FEW_ROWS go through the few-row kernel here in every dtype (the layers send float32 one row).
+# Rows 2 to FEW_ROWS go through the few-row kernels here in every dtype (the layers send float32 one row);
+# each test runs with the layers' choice between the rows GEMV and the tensor-core kernel, and again
+# with every small weight through the rows GEMV up to its most rows, split along K as the GEMV splits.
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.usefixtures("few_row_kernels")]
+              pytest.mark.usefixtures("few_row_kernels", "rows_gemv")]
+
+
+@pytest.fixture(params=["layers", "rows-gemv"])
+def rows_gemv(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.param == "rows-gemv":
+        monkeypatch.setattr(float_linear_module, "ROWS_GEMV_MOST", float_linear_module.ROWS_GEMV_MAX)
+        monkeypatch.setattr(float_linear_module, "ROWS_GEMV_SPLIT", True)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
