@@ -188,10 +188,10 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     rows GEMV for every weight up to its most rows; else the
     engine's choice, the tensor-core kernel on this tiling (None: rows_config's)."""
     saved = (float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST,
-             float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE)
+             float_module.ROWS_GEMV_PRODUCTS, float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE)
     float_module.FLOAT_FUSED_ROWS = dict.fromkeys(saved[0], 1 if tiling == "cublas" else split_k_module.FEW_ROWS)
     if tiling == "dots":  # every weight through the tensor-core kernel, small ones too
-        float_module.ROWS_GEMV_MOST = 1
+        float_module.ROWS_GEMV_MOST, float_module.ROWS_GEMV_PRODUCTS = 1, 0
     if tiling == "gemv":  # every weight through the rows GEMV, up to its most rows
         float_module.ROWS_GEMV_MOST = float_module.ROWS_GEMV_MAX
         float_module.ROWS_GEMV_SPLIT = float_module.ROWS_GEMV_LARGE = True
@@ -203,7 +203,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
         yield
     finally:
         (float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST,
-         float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE) = saved
+         float_module.ROWS_GEMV_PRODUCTS, float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE) = saved
 
 
 def float_few_rows_tilings(tilings: tuple = FEW_ROWS_TILINGS, projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),

@@ -275,10 +275,13 @@ def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.float16: FEW_ROWS, torch.float32: 1}
 
 
-# The most rows that take _float_rows_gemv_kernel (where rows_gemv_fits) rather than the tensor-core
-# few-row kernel (docs/performance.md); at most ROWS_GEMV_MAX, the rows its sums are written for.
+# Which few rows take _float_rows_gemv_kernel (rows_gemv_fits) rather than the tensor-core kernel: up
+# to ROWS_GEMV_MOST rows, any small weight the one-row GEMV reads unsplit; past it, up to
+# ROWS_GEMV_MAX (the rows its sums are written for), such a weight of at most ROWS_GEMV_PRODUCTS
+# rows x weights, where the latency the GEMV hides outweighs the FMAs it adds (docs/performance.md).
 ROWS_GEMV_MOST = 2
 ROWS_GEMV_MAX = 8
+ROWS_GEMV_PRODUCTS = 10 << 20
 # Whether the rows GEMV takes a small weight that the one-row GEMV splits along K (the 1B shape's O),
 # split as that GEMV splits it; and whether it takes large weights too (a module constant each, for
 # bench/graph_ab.py).
@@ -289,10 +292,11 @@ ROWS_GEMV_LARGE = False
 ROWS_GEMV_EARLY_LAUNCH = False
 
 
-def rows_gemv_fits(out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
-    """Whether a few rows over this weight may take _float_rows_gemv_kernel: a small weight (not
-    large_tiling; any with ROWS_GEMV_LARGE) that the one-row GEMV reads unsplit (or split, with
-    ROWS_GEMV_SPLIT)."""
+def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
+    """Whether `rows` rows of x over this weight take _float_rows_gemv_kernel (ROWS_GEMV_MOST and
+    the constants after it)."""
+    if rows > ROWS_GEMV_MAX or rows > ROWS_GEMV_MOST and rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
+        return False
     if large_tiling(out_features, in_features) and not ROWS_GEMV_LARGE:
         return False
     if ROWS_GEMV_SPLIT:
@@ -361,7 +365,7 @@ def _gemv_tma(x: torch.Tensor, weight: torch.Tensor, norm_in: NormScale | None) 
 def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
                norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [M, K] (2 <= M <= ROWS_GEMV_MOST, a weight rows_gemv_fits) through _float_rows_gemv_kernel
+    """x [M, K] (2 <= M, a weight rows_gemv_fits) through _float_rows_gemv_kernel
     at the one-row GEMV's tiling and K split; its outputs as _rows'."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -395,8 +399,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         return _gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    if (rows <= min(ROWS_GEMV_MOST, ROWS_GEMV_MAX)
-            and rows_gemv_fits(out_features, in_features, weight.element_size(), x.device)):
+    if rows_gemv_fits(rows, out_features, in_features, weight.element_size(), x.device):
         return _rows_gemv(x, weight, bias, silu_mul, norm_in, add_norm, rope)
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
