@@ -278,10 +278,13 @@ FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.floa
 # Which few rows take _float_rows_gemv_kernel (rows_gemv_fits) rather than the tensor-core kernel: up
 # to ROWS_GEMV_MOST rows, any small weight the one-row GEMV reads unsplit; past it, up to
 # ROWS_GEMV_MAX (the rows its sums are written for), such a weight of at most ROWS_GEMV_PRODUCTS
-# rows x weights, where the latency the GEMV hides outweighs the FMAs it adds (docs/performance.md).
-ROWS_GEMV_MOST = 2
+# rows x weights whose rows fill at least ROWS_GEMV_FILL of the inputs its K steps read (the
+# rest are masked lanes, whose FMAs cost as much at 8 rows): there the latency the GEMV hides
+# outweighs the FMAs it adds (docs/performance.md).
+ROWS_GEMV_MOST = 4
 ROWS_GEMV_MAX = 8
 ROWS_GEMV_PRODUCTS = 10 << 20
+ROWS_GEMV_FILL = 0.8
 # Whether the rows GEMV takes a small weight that the one-row GEMV splits along K (the 1B shape's O),
 # split as that GEMV splits it; and whether it takes large weights too (a module constant each, for
 # bench/graph_ab.py).
@@ -295,13 +298,15 @@ ROWS_GEMV_EARLY_LAUNCH = False
 def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
     """Whether `rows` rows of x over this weight take _float_rows_gemv_kernel (ROWS_GEMV_MOST and
     the constants after it)."""
-    if rows > ROWS_GEMV_MAX or rows > ROWS_GEMV_MOST and rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
+    if rows > ROWS_GEMV_MAX or large_tiling(out_features, in_features) and not ROWS_GEMV_LARGE:
         return False
-    if large_tiling(out_features, in_features) and not ROWS_GEMV_LARGE:
+    cfg = gemv_config(out_features, in_features, element_size)
+    read = triton.cdiv(in_features, cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    if rows > ROWS_GEMV_MOST and (rows * out_features * in_features > ROWS_GEMV_PRODUCTS
+                                  or in_features < ROWS_GEMV_FILL * read):
         return False
     if ROWS_GEMV_SPLIT:
         return True
-    cfg = gemv_config(out_features, in_features, element_size)
     return gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"], device)[0] == 1
 
 
