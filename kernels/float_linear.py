@@ -277,11 +277,11 @@ FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.floa
 
 # Which few rows take _float_rows_gemv_kernel (rows_gemv_fits) rather than the tensor-core kernel: up
 # to ROWS_GEMV_MOST rows, any small weight the one-row GEMV reads unsplit; past it, up to
-# ROWS_GEMV_MAX (the rows its sums are written for), such a weight of at most ROWS_GEMV_PRODUCTS
-# rows x weights whose rows fill at least ROWS_GEMV_FILL of the inputs its K steps read (the
-# rest are masked lanes, whose FMAs cost as much at 8 rows): there the latency the GEMV hides
+# ROWS_GEMV_MAX rows (the most its sums are written for), such a weight of at most
+# ROWS_GEMV_PRODUCTS rows x weights, and past 4 rows (8 rows' FMAs a weight) only one whose rows
+# fill at least ROWS_GEMV_FILL of the inputs its K steps read. There the latency the GEMV hides
 # outweighs the FMAs it adds (docs/performance.md).
-ROWS_GEMV_MOST = 4
+ROWS_GEMV_MOST = 2
 ROWS_GEMV_MAX = 8
 ROWS_GEMV_PRODUCTS = 10 << 20
 ROWS_GEMV_FILL = 0.8
@@ -302,8 +302,9 @@ def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size:
         return False
     cfg = gemv_config(out_features, in_features, element_size)
     read = triton.cdiv(in_features, cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if rows > ROWS_GEMV_MOST and (rows * out_features * in_features > ROWS_GEMV_PRODUCTS
-                                  or in_features < ROWS_GEMV_FILL * read):
+    if rows > ROWS_GEMV_MOST and rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
+        return False
+    if rows > 4 and in_features < ROWS_GEMV_FILL * read:
         return False
     if ROWS_GEMV_SPLIT:
         return True
