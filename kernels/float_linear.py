@@ -1,6 +1,6 @@
 """Linear layers over float weights (bf16, fp16, fp32) W [N, K]: for decode, a one-row Triton GEMV
-(batch 1, and a two-row version of it for small weights; a wide gate/up weight streamed through TMA
-on Hopper) and a few-row tensor-core kernel (up to FEW_ROWS rows), all with the epilogues the
+(batch 1, and a version of it for up to 8 rows over small weights; a wide gate/up weight streamed
+through TMA on Hopper) and a few-row tensor-core kernel (up to FEW_ROWS rows), all with the epilogues the
 quantized one-row kernels have (kernels/split_k.py): SiLU·up, the add-norm that leaves the next
 norm to the next projection, that projection's scaled outputs, and RoPE with the KV write
 (kernels/rope.py). Larger batches go to cuBLAS (F.linear).
@@ -204,7 +204,7 @@ def _float_rows_gemv_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """_float_rows_kernel for small weights, on the CUDA cores: each program reads its ROWS weight
     rows once, as the one-row GEMV does (BLOCK_K inputs a step, the first before the wait; split
@@ -221,15 +221,14 @@ def _float_rows_gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     k = k_begin + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_end)[None, :], other=0.0)
-    wait_for_previous_kernel(PDL, EARLY_LAUNCH)
+    wait_for_previous_kernel(PDL, False)  # the next kernel launches after the K loop, as after the dots'
     acc = tl.zeros([ROWS, BLOCK_K // VEC, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         acc += _row_sums(w.to(tl.float32), x_ptr + k, stride_x, M, k < k_end, ROWS, BLOCK_K, VEC, BLOCK_M)
         k_next = k + BLOCK_K  # the next weights in flight while these are summed
         w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
-    if not EARLY_LAUNCH:
-        launch_next_kernel(PDL)
+    launch_next_kernel(PDL)
     acc = tl.trans(tl.sum(acc, axis=1))  # [BLOCK_M, ROWS]
     store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
                          in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
@@ -285,14 +284,11 @@ ROWS_GEMV_MOST = 2
 ROWS_GEMV_MAX = 8
 ROWS_GEMV_PRODUCTS = 10 << 20
 ROWS_GEMV_FILL = 0.8
-# Whether the rows GEMV takes a small weight that the one-row GEMV splits along K (the 1B shape's O),
-# split as that GEMV splits it; and whether it takes large weights too (a module constant each, for
-# bench/graph_ab.py).
+# Module constants for bench/graph_ab.py and bench/quant_kernels.py: the rows GEMV also over small
+# weights the one-row GEMV splits along K (the 1B shape's O), split as it splits them, and over large
+# weights. Both measured slower than the tensor-core kernel (docs/performance.md).
 ROWS_GEMV_SPLIT = False
 ROWS_GEMV_LARGE = False
-# Whether the rows GEMV lets the next kernel launch at its wait, as the one-row GEMV does, rather
-# than after its K loop, as the tensor-core kernel does (a module constant, for bench/graph_ab.py).
-ROWS_GEMV_EARLY_LAUNCH = False
 
 
 def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
@@ -301,14 +297,14 @@ def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size:
     if rows > ROWS_GEMV_MAX or large_tiling(out_features, in_features) and not ROWS_GEMV_LARGE:
         return False
     cfg = gemv_config(out_features, in_features, element_size)
-    read = triton.cdiv(in_features, cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if rows > ROWS_GEMV_MOST and rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
-        return False
-    if rows > 4 and in_features < ROWS_GEMV_FILL * read:
-        return False
-    if ROWS_GEMV_SPLIT:
-        return True
-    return gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"], device)[0] == 1
+    if rows > ROWS_GEMV_MOST:
+        if rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
+            return False
+        read = triton.cdiv(in_features, cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        if rows > 4 and in_features < ROWS_GEMV_FILL * read:
+            return False
+    return ROWS_GEMV_SPLIT or gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"],
+                                         device)[0] == 1
 
 
 def rows_config(element_size: int) -> dict[str, int]:
@@ -371,8 +367,8 @@ def _gemv_tma(x: torch.Tensor, weight: torch.Tensor, norm_in: NormScale | None) 
 def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
                norm_in: NormScale | None, add_norm: tuple[torch.Tensor, torch.Tensor] | None, rope: RopeKV | None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """x [M, K] (2 <= M, a weight rows_gemv_fits) through _float_rows_gemv_kernel
-    at the one-row GEMV's tiling and K split; its outputs as _rows'."""
+    """x [M, K] (2 <= M, a weight rows_gemv_fits) through _float_rows_gemv_kernel at the one-row
+    GEMV's tiling and K split; its outputs as _rows'."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     q, rope_args = rope_arguments(x, rope)
@@ -391,8 +387,8 @@ def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), ROWS=per_program,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, EARLY_LAUNCH=ROWS_GEMV_EARLY_LAUNCH,
-        num_stages=1, **cfg, **launch_options(pdl))
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, num_stages=1,
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 

@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 def rows_gemv(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.param == "rows-gemv":
         monkeypatch.setattr(float_linear_module, "ROWS_GEMV_MOST", float_linear_module.ROWS_GEMV_MAX)
-        monkeypatch.setattr(float_linear_module, "ROWS_GEMV_PRODUCTS", 0)
         monkeypatch.setattr(float_linear_module, "ROWS_GEMV_SPLIT", True)
+
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -1,18 +1,19 @@
-"""The float one-row GEMV, its two-row version and the few-row kernel (kernels/float_linear.py)
-against the torch reference on CPU through Triton's interpreter (float32 and float16; the
-interpreter gets bfloat16 wrong), with their epilogues: SiLU·up, the add-norm and the next
-projection's norm factor (RoPE: test_rope_epilogue.py). tests/gpu covers bf16."""
+"""The float one-row GEMV, its few-row version (the rows GEMV) and the few-row tensor-core kernel
+(kernels/float_linear.py) against the torch reference on CPU through Triton's interpreter (float32
+and float16; the interpreter gets bfloat16 wrong), with their epilogues: SiLU·up, the add-norm and
+the next projection's norm factor (RoPE: test_rope_epilogue.py). tests/gpu covers bf16."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import kernels.float_linear as float_linear_module
 import kernels.split_k as split_k_module
 from kernels.activation import silu_mul
 from kernels.dispatch import unfolded_norms
-from kernels.float_linear import (ROWS_GEMV_MOST, PackedWeight, dense, float_linear, float_linear_add_norm,
-                                 float_linear_ref, fused_rows, gemv_config, rows_config, rows_gemv_fits, tma_config,
-                                 tma_fits)
+from kernels.float_linear import (ROWS_GEMV_MAX, ROWS_GEMV_MOST, PackedWeight, dense, float_linear,
+                                 float_linear_add_norm, float_linear_ref, fused_rows, gemv_config, rows_config,
+                                 rows_gemv_fits, tma_config, tma_fits)
 from kernels.rmsnorm import NormScale, add_norm_ref, rms_norm_ref
 from kernels.split_k import _TILE_COUNTS, FEW_ROWS, gemv_split
 from tests.kernels.conftest import nan_poisoned_allocations
@@ -163,6 +164,50 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     with nan_poisoned_allocations():
         out = float_linear(u, w2, silu_mul=True, norm_in=norm)
     torch.testing.assert_close(out, float_linear_ref(norm.apply(u), w2, silu_mul=True), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 8])
+@pytest.mark.parametrize("split", [False, True], ids=["whole-k", "split-k"])
+def test_rows_gemv_at_up_to_its_most_rows(triton_interpreter, monkeypatch, dtype, rows, split) -> None:
+    # Every small weight through the rows GEMV up to ROWS_GEMV_MAX rows (8 rows' sums a step), whole
+    # or split along K as the one-row GEMV splits it: the plain projection, SiLU·up and the add-norm.
+    monkeypatch.setattr(float_linear_module, "ROWS_GEMV_MOST", ROWS_GEMV_MAX)
+    monkeypatch.setattr(float_linear_module, "ROWS_GEMV_SPLIT", split)
+    monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 1 << 30)
+    in_features, out_features = (2048, 48) if split else (160, 202)  # 12 row tiles split along K; a partial step
+    gen = torch.Generator().manual_seed(rows)
+    weight = _weights(gen, out_features, in_features, dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    assert rows_gemv_fits(rows, out_features, in_features, weight.element_size(), x.device)
+    cfg = gemv_config(out_features, in_features, weight.element_size())
+    assert (gemv_split(-(-out_features // cfg["ROWS"]), in_features, cfg["BLOCK_K"], x.device)[0] > 1) == split
+    with nan_poisoned_allocations():
+        out = float_linear(x, weight, bias)
+        fused = float_linear(x, weight, bias, silu_mul=True)
+    torch.testing.assert_close(out, float_linear_ref(x, weight, bias), **TOLERANCE[dtype])
+    assert torch.equal(fused, silu_mul(out))  # the same sums, rounded to x's dtype before SiLU·up
+    residual = torch.randn(rows, out_features, generator=gen).to(dtype)
+    norm_w = (torch.rand(out_features, generator=gen) + 0.5).to(dtype)
+    with nan_poisoned_allocations():
+        u, h, norm = float_linear_add_norm(x, weight, bias, residual, norm_w, 1e-5)
+    ref_u, ref_h, _ = add_norm_ref(out, residual, norm_w, 1e-5)
+    assert torch.equal(h, ref_h) and torch.equal(u, ref_u)
+    assert not split or not _TILE_COUNTS[x.device].any()
+
+
+def test_rows_gemv_takes_few_rows_where_it_measured_faster() -> None:
+    # bf16 on the reference SM count (an H100's or H200's 132): any small unsplit weight at 2 rows; up
+    # to 4 rows within 10 Mi products (the 1B QKV stays on the tensor cores); 5-8 rows only over
+    # weights that fill their K steps (the 0.5B's K of 896 in 1,024-input steps, not the 135M's 576).
+    cpu = torch.device("cpu")
+    weights = {"1b-qkv": (3072, 2048), "1b-o": (2048, 2048), "0.5b-qkv": (1152, 896), "135m-gate-up": (3072, 576),
+               "135m-o": (576, 576), "1b-gate-up": (16384, 2048)}
+    fits = {name: [rows for rows in range(2, 10) if rows_gemv_fits(rows, n, k, 2, cpu)]
+            for name, (n, k) in weights.items()}
+    assert fits == {"1b-qkv": [2], "1b-o": [], "0.5b-qkv": [2, 3, 4, 5, 6, 7, 8], "135m-gate-up": [2, 3, 4],
+                    "135m-o": [2, 3, 4], "1b-gate-up": []}
 
 
 def test_add_norm_is_the_norm_kernel_where_norms_do_not_fold(triton_interpreter) -> None:
