@@ -185,8 +185,8 @@ def float_one_row_tilings(copies: int = 16) -> None:
 def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
     """Decode batches up to FEW_ROWS on one path for a while: "cublas" is cuBLAS and the norm,
     SiLU·up and RoPE kernels; "dots" the tensor-core few-row kernel for small weights too; "gemv" the
-    rows GEMV for every weight up to its most rows; else the
-    engine's choice, the tensor-core kernel on this tiling (None: rows_config's)."""
+    rows GEMV for every weight up to its most rows (split and large ones too); else the engine's
+    choice, the tensor-core kernel on this tiling (None: rows_config's)."""
     saved = (float_module.FLOAT_FUSED_ROWS, float_module.rows_config, float_module.ROWS_GEMV_MOST,
              float_module.ROWS_GEMV_PRODUCTS, float_module.ROWS_GEMV_SPLIT, float_module.ROWS_GEMV_LARGE)
     float_module.FLOAT_FUSED_ROWS = dict.fromkeys(saved[0], 1 if tiling == "cublas" else split_k_module.FEW_ROWS)
