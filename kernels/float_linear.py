@@ -130,13 +130,12 @@ def _float_rows_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, LAUNCH_LEFT: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
     alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
-    kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row. The next
-    kernel launches LAUNCH_LEFT K steps before the loop's end (0: after it)."""
+    kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
     m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
         1, True, SILU_MUL, ROPE, HALF)
@@ -148,9 +147,6 @@ def _float_rows_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     wait_for_previous_kernel(PDL, False)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if LAUNCH_LEFT > 0:  # past the first call, launching again does nothing
-            if k0 + LAUNCH_LEFT * BLOCK_K >= k_end:
-                launch_next_kernel(PDL)
         k = k0 + ks
         k_ok = k < k_end
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -293,9 +289,6 @@ ROWS_GEMV_FILL = 0.8
 # weights. Both measured slower than the tensor-core kernel (docs/performance.md).
 ROWS_GEMV_SPLIT = False
 ROWS_GEMV_LARGE = False
-# K steps before the end of _float_rows_kernel's loop at which the next kernel may launch (0: after
-# the loop). A module constant for bench/graph_ab.py.
-ROWS_LAUNCH_LEFT = 0
 
 
 def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
@@ -426,7 +419,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
-        LAUNCH_LEFT=ROWS_LAUNCH_LEFT, **cfg, **launch_options(pdl))
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
