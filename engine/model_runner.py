@@ -1,7 +1,7 @@
 """Runs one scheduled step on the device: batch inputs, the forward over the paged KV cache, sampling.
 
 On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
-8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. A step whose
+5, 6, 8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. A step whose
 sequences all decode, some with drafts (a verify step), is laid out as decode rows, a row per token,
 so it replays them too. Steps with prefill chunks replay a prefill graph padded to the next of
 PREFILL_GRAPH_TOKENS where they fit one, else run eagerly.
@@ -35,7 +35,9 @@ from kernels.staging import HEAD, maps_pinned_memory, stage
 
 log = logging.getLogger("minillm.engine")
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+# 5 and 6 have graphs of their own (a verify step of 4 drafts is 5 rows): padded to 8, small models'
+# steps cost an 8-row step's (docs/performance.md).
+GRAPH_BATCH_SIZES = (1, 2, 4, 5, 6, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Steps with prefill chunks (or drafts) replay a graph too, padded to the next of these token counts:
 # launched one by one from the host, a short prefill's kernels take longer to launch than to run.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -490,7 +492,8 @@ class ModelRunner:
         """A captured prefill graph fits a step of no more sequences, logit rows and tokens than it
         takes, without prompt logprobs (their rows vary)."""
         if (not self.prefill_graphs or step.prompt_rows or len(step.query_lens) > PREFILL_GRAPH_SEQS
-                or len(step.logit_rows) > PREFILL_GRAPH_ROWS or (prev is not None and len(prev) > len(self.prev_tokens))):
+                or len(step.logit_rows) > PREFILL_GRAPH_ROWS
+                or (prev is not None and len(prev) > len(self.prev_tokens))):
             return None
         return next((g for t, g in sorted(self.prefill_graphs.items()) if t >= len(step.input_ids)), None)
 

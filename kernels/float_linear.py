@@ -163,13 +163,13 @@ def _float_rows_kernel(
 
 
 @triton.jit
-def _row_sum(w, x_ptrs, ok, I: tl.constexpr, M, LIVE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _row_sum(w, x_ptrs, ok, I: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
              VEC: tl.constexpr):
-    """w [ROWS, BLOCK_K] times row I of x (zeros from row M on), summed over each run of VEC inputs:
-    [ROWS, BLOCK_K / VEC] (a thread's own runs: no shuffles). Rows from LIVE on are not multiplied:
-    they are -0.0, which the sums' adds drop."""
-    if I < LIVE:
-        xk = tl.load(x_ptrs, mask=ok & (M > I), other=0.0).to(tl.float32)
+    """w [ROWS, BLOCK_K] times row I of x, summed over each run of VEC inputs: [ROWS, BLOCK_K / VEC]
+    (a thread's own runs: no shuffles). A row from x's M on is not multiplied: it is -0.0, which the
+    sums' adds drop."""
+    if I < M:
+        xk = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
         s = tl.sum(tl.reshape(w * xk[None, :], [ROWS, BLOCK_K // VEC, VEC]), axis=2)
     else:
         s = tl.full([ROWS, BLOCK_K // VEC], -0.0, tl.float32)
@@ -177,25 +177,25 @@ def _row_sum(w, x_ptrs, ok, I: tl.constexpr, M, LIVE: tl.constexpr, ROWS: tl.con
 
 
 @triton.jit
-def _row_sums(w, x_ptrs, stride_x, M, ok, LIVE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _row_sums(w, x_ptrs, stride_x, M: tl.constexpr, ok, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
               VEC: tl.constexpr, BLOCK_M: tl.constexpr):
-    """_row_sum for rows 0 .. BLOCK_M of x (2, 4 or 8; only the first LIVE multiplied),
+    """_row_sum for rows 0 .. BLOCK_M of x (2, 4 or 8; only its M rows multiplied),
     joined along a last axis [ROWS, BLOCK_K / VEC, BLOCK_M] that stays in each thread. A join's new
     axis is the minor one, so the even rows are joined first, then with the odd."""
-    r0 = _row_sum(w, x_ptrs, ok, 0, M, LIVE, ROWS, BLOCK_K, VEC)
-    r1 = _row_sum(w, x_ptrs + stride_x, ok, 1, M, LIVE, ROWS, BLOCK_K, VEC)
+    r0 = _row_sum(w, x_ptrs, ok, 0, M, ROWS, BLOCK_K, VEC)
+    r1 = _row_sum(w, x_ptrs + stride_x, ok, 1, M, ROWS, BLOCK_K, VEC)
     if BLOCK_M == 2:
         s = tl.join(r0, r1)
     else:
-        r2 = _row_sum(w, x_ptrs + 2 * stride_x, ok, 2, M, LIVE, ROWS, BLOCK_K, VEC)
-        r3 = _row_sum(w, x_ptrs + 3 * stride_x, ok, 3, M, LIVE, ROWS, BLOCK_K, VEC)
+        r2 = _row_sum(w, x_ptrs + 2 * stride_x, ok, 2, M, ROWS, BLOCK_K, VEC)
+        r3 = _row_sum(w, x_ptrs + 3 * stride_x, ok, 3, M, ROWS, BLOCK_K, VEC)
         if BLOCK_M == 4:
             s = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, BLOCK_K // VEC, 4])
         else:
-            r4 = _row_sum(w, x_ptrs + 4 * stride_x, ok, 4, M, LIVE, ROWS, BLOCK_K, VEC)
-            r5 = _row_sum(w, x_ptrs + 5 * stride_x, ok, 5, M, LIVE, ROWS, BLOCK_K, VEC)
-            r6 = _row_sum(w, x_ptrs + 6 * stride_x, ok, 6, M, LIVE, ROWS, BLOCK_K, VEC)
-            r7 = _row_sum(w, x_ptrs + 7 * stride_x, ok, 7, M, LIVE, ROWS, BLOCK_K, VEC)
+            r4 = _row_sum(w, x_ptrs + 4 * stride_x, ok, 4, M, ROWS, BLOCK_K, VEC)
+            r5 = _row_sum(w, x_ptrs + 5 * stride_x, ok, 5, M, ROWS, BLOCK_K, VEC)
+            r6 = _row_sum(w, x_ptrs + 6 * stride_x, ok, 6, M, ROWS, BLOCK_K, VEC)
+            r7 = _row_sum(w, x_ptrs + 7 * stride_x, ok, 7, M, ROWS, BLOCK_K, VEC)
             evens = tl.join(tl.join(r0, r4), tl.join(r2, r6))
             odds = tl.join(tl.join(r1, r5), tl.join(r3, r7))
             s = tl.reshape(tl.join(evens, odds), [ROWS, BLOCK_K // VEC, 8])
@@ -204,11 +204,11 @@ def _row_sums(w, x_ptrs, stride_x, M, ok, LIVE: tl.constexpr, ROWS: tl.constexpr
 
 @triton.jit
 def _float_rows_gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, k_per_split,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M: tl.constexpr, N, K, stride_x, stride_w, k_per_split,
     in_sumsq_ptr, in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr,
     positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, k_cache_ptr, v_cache_ptr, cache_stride_slot,
     cache_stride_h, num_heads, num_kv_heads,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, LIVE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
     HALF: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -231,8 +231,7 @@ def _float_rows_gemv_kernel(
     acc = tl.zeros([ROWS, BLOCK_K // VEC, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        acc += _row_sums(w.to(tl.float32), x_ptr + k, stride_x, M, k < k_end, LIVE, ROWS, BLOCK_K, VEC,
-                         BLOCK_M)
+        acc += _row_sums(w.to(tl.float32), x_ptr + k, stride_x, M, k < k_end, ROWS, BLOCK_K, VEC, BLOCK_M)
         k_next = k + BLOCK_K  # the next weights in flight while these are summed
         w = tl.load(w_rows + k_next[None, :], mask=col_ok[:, None] & (k_next < k_end)[None, :], other=0.0)
     launch_next_kernel(PDL)
@@ -296,8 +295,6 @@ ROWS_GEMV_FILL = 0.8
 # weights. Both measured slower than the tensor-core kernel (docs/performance.md).
 ROWS_GEMV_SPLIT = False
 ROWS_GEMV_LARGE = False
-# Whether the rows GEMV multiplies only x's rows, not the zeros padding them to a power of 2 (an A/B switch).
-ROWS_GEMV_UNPADDED = True
 
 
 def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
@@ -394,8 +391,7 @@ def _rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     pdl = programmatic_launch(x)
     _float_rows_gemv_kernel[(tiles, split_k)](
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
-        *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows),
-        LIVE=rows if ROWS_GEMV_UNPADDED else triton.next_power_of_2(rows), ROWS=per_program,
+        *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), ROWS=per_program,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, PDL=pdl, num_stages=1,
         **cfg, **launch_options(pdl))

@@ -72,7 +72,7 @@ def test_cuda_graph_decode_matches_eager_steps(params: dict) -> None:
     sampling = [SamplingParams(**params, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     config = dict(model="random:llama-3.2-1b", device="cuda", kv_cache_memory="2GiB", max_num_seqs=8)
     graphed = LLMEngine(EngineConfig(**config))
-    assert sorted(graphed.runner.graphs) == [1, 2, 4, 8]
+    assert sorted(graphed.runner.graphs) == [1, 2, 4, 5, 6, 8]
     assert graphed.runner.input_ring is not None and graphed.runner.host_ring is not None  # mapped pinned memory
     graphed.runner.prefill_graphs.clear()  # the same prefill GEMMs as the eager engine's (their own test below)
     drawn, read = [], graphed.runner.sampler.drawn
