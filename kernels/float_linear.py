@@ -283,13 +283,14 @@ FLOAT_FUSED_ROWS: dict[torch.dtype, int] = {torch.bfloat16: FEW_ROWS, torch.floa
 # Which few rows take _float_rows_gemv_kernel (rows_gemv_fits) rather than the tensor-core kernel: up
 # to ROWS_GEMV_MOST rows, any small weight the one-row GEMV reads unsplit; past it, up to
 # ROWS_GEMV_MAX rows (the most its sums are written for), such a weight of at most
-# ROWS_GEMV_PRODUCTS rows x weights, and past 4 rows (8 rows' FMAs a weight) only one whose rows
-# fill at least ROWS_GEMV_FILL of the inputs its K steps read. There the latency the GEMV hides
-# outweighs the FMAs it adds (docs/performance.md).
+# ROWS_GEMV_PRODUCTS rows x weights, and past ROWS_GEMV_FILL_PAST rows only one whose rows fill at
+# least ROWS_GEMV_FILL of the inputs its K steps read (masked lanes cost FMAs too). There the
+# latency the GEMV hides outweighs the FMAs it adds (docs/performance.md).
 ROWS_GEMV_MOST = 2
 ROWS_GEMV_MAX = 8
 ROWS_GEMV_PRODUCTS = 10 << 20
 ROWS_GEMV_FILL = 0.8
+ROWS_GEMV_FILL_PAST = 6
 # Module constants for bench/graph_ab.py and bench/quant_kernels.py: the rows GEMV also over small
 # weights the one-row GEMV splits along K (the 1B shape's O), split as it splits them, and over large
 # weights. Both measured slower than the tensor-core kernel (docs/performance.md).
@@ -307,7 +308,7 @@ def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size:
         if rows * out_features * in_features > ROWS_GEMV_PRODUCTS:
             return False
         read = triton.cdiv(in_features, cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        if rows > 4 and in_features < ROWS_GEMV_FILL * read:
+        if rows > ROWS_GEMV_FILL_PAST and in_features < ROWS_GEMV_FILL * read:
             return False
     return ROWS_GEMV_SPLIT or gemv_split(triton.cdiv(out_features, cfg["ROWS"]), in_features, cfg["BLOCK_K"],
                                          device)[0] == 1
