@@ -35,8 +35,8 @@ from kernels.staging import HEAD, maps_pinned_memory, stage
 
 log = logging.getLogger("minillm.engine")
 
-# 5 and 6 have graphs of their own (a verify step of 4 drafts is 5 rows): padded to 8, small models'
-# steps cost an 8-row step's (docs/performance.md).
+# 5 and 6 rows have graphs of their own (a verify step of 4 drafts at one sequence is 5 rows): in the
+# 8-row graph their steps cost an 8-row step (docs/performance.md).
 GRAPH_BATCH_SIZES = (1, 2, 4, 5, 6, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Steps with prefill chunks (or drafts) replay a graph too, padded to the next of these token counts:
 # launched one by one from the host, a short prefill's kernels take longer to launch than to run.

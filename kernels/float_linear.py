@@ -179,9 +179,9 @@ def _row_sum(w, x_ptrs, ok, I: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr
 @triton.jit
 def _row_sums(w, x_ptrs, stride_x, M: tl.constexpr, ok, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
               VEC: tl.constexpr, BLOCK_M: tl.constexpr):
-    """_row_sum for rows 0 .. BLOCK_M of x (2, 4 or 8; only its M rows multiplied),
-    joined along a last axis [ROWS, BLOCK_K / VEC, BLOCK_M] that stays in each thread. A join's new
-    axis is the minor one, so the even rows are joined first, then with the odd."""
+    """_row_sum for rows 0 .. BLOCK_M of x (2, 4 or 8; only its M rows multiplied), joined along a
+    last axis [ROWS, BLOCK_K / VEC, BLOCK_M] that stays in each thread. A join's new axis is the
+    minor one, so the even rows are joined first, then with the odd."""
     r0 = _row_sum(w, x_ptrs, ok, 0, M, ROWS, BLOCK_K, VEC)
     r1 = _row_sum(w, x_ptrs + stride_x, ok, 1, M, ROWS, BLOCK_K, VEC)
     if BLOCK_M == 2:
