@@ -12,7 +12,11 @@ one engine, one lease, no second tree. Throwaway A/B runs, never a record (the J
 A variant is `module.NAME=value[,module.NAME=value...]`, each value a Python literal, set over the
 defaults (what another variant sets, this one leaves at its default). Steps are
 greedy decodes of 128-token prompts. On CPU (--device cpu, the smoke test) there are no graphs:
-only engine steps are timed.
+only engine steps are timed. A batch replays the graph of the next captured size (each row names
+its graph_batch); --graph-sizes captures other sizes for a run, which a second run compares:
+
+    python3 bench/graph_ab.py --models qwen2.5-0.5b --batches 5,6 --graph-sizes 1,2,4,8,16 \
+        --variant kernels.float_linear.ROWS_GEMV_MOST=2
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from bench.provenance import git_commit  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import RANDOM_PREFIX  # noqa: E402
+import engine.model_runner as model_runner  # noqa: E402
 from engine.model_runner import _DecodeGraph  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -116,7 +121,7 @@ def run_model(model: str, name: str, args: argparse.Namespace, variants: list[tu
                     replays[variant].append(replay_ms(runner.graphs[graph_batch].graph, args.steps))
         for variant, _ in variants:
             rows.append(dict(model=name, quantization=args.quantization, batch=batch, variant=variant,
-                             engine_step_ms=summary(steps[variant]),
+                             graph_batch=graph_batch, engine_step_ms=summary(steps[variant]),
                              graph_replay_ms=summary(replays[variant]) if replays[variant] else None))
             log(f"{name} batch {batch} [{variant}]: step {rows[-1]['engine_step_ms']['median']:.3f} ms"
                 + (f", replay {rows[-1]['graph_replay_ms']['median']:.3f} ms" if replays[variant] else ""))
@@ -155,7 +160,11 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--graph-sizes", type=lambda s: tuple(int(b) for b in s.split(",")),
+                        help="the decode graphs' batch sizes for this run (engine.model_runner.GRAPH_BATCH_SIZES), "
+                             "e.g. 1,2,4,5,6,8,16: a batch replays the graph of the next size")
     args = parser.parse_args()
+    graph_sizes = model_runner.GRAPH_BATCH_SIZES
     variants = [(text, parse_variant(text)) for text in args.variant]
     saved = {(module, attribute): getattr(module, attribute) for _, settings in variants
              for module, attribute, _ in settings}
@@ -170,15 +179,18 @@ def main() -> int:
             if args.quantization == "int4":  # a checkpoint a shape, its rows named by the shape
                 model = str(int4_checkpoint(shape, 0, torch.device(args.device), Path(tmp) / shape))
             try:
+                model_runner.GRAPH_BATCH_SIZES = args.graph_sizes or graph_sizes  # read when the engine captures
                 rows += run_model(model, RANDOM_PREFIX + shape, args, variants)
             finally:
                 for (module, attribute), value in saved.items():
                     setattr(module, attribute, value)
+                model_runner.GRAPH_BATCH_SIZES = graph_sizes
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     doc = dict(bench="graph_ab", device=device, date=datetime.date.today().isoformat(), commit=git_commit(),
-               partial=True, rounds=args.rounds, steps=args.steps, variants=[name for name, _ in variants], rows=rows)
+               partial=True, rounds=args.rounds, steps=args.steps, variants=[name for name, _ in variants],
+               graph_sizes=list(args.graph_sizes or graph_sizes), rows=rows)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(doc))
