@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT_S:-570}" python3 -m pytest -q -x ${TESTS:-tests/gpu} -p no:cacheprovider -s > "$OUT/tests.log" 2>&1
   echo "tests/gpu: rc=$? $(tail -1 "$OUT/tests.log")"
   grep -E "identical|not a benchmark" "$OUT/tests.log"
 fi
