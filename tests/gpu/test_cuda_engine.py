@@ -27,7 +27,8 @@ def test_float32_greedy_matches_transformers_on_cuda(tiny_model_dir, shape: str)
     hf = copy.deepcopy(hf).to("cuda")  # the fixture model is shared with the CPU tests
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", kv_cache_memory="64MiB"))
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 33, 150)]
+    # 9 prompts: their decode steps replay the 12-row graph, 3 rows of it padding.
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 33, 150, 3, 12, 20, 48, 64, 97)]
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         with torch.no_grad():
@@ -67,12 +68,12 @@ def test_llama_1b_shape_runs_in_bfloat16() -> None:
 def test_cuda_graph_decode_matches_eager_steps(params: dict) -> None:
     """Graph replay gives exactly the eager steps' tokens (same batch shapes, so the same GEMMs), the
     graph drawing greedy and plain seeded rows itself and leaving filtered ones to the sampler.
-    Padding rows are covered by the tiny models above: 3 prompts replay the 4-row graph."""
+    Padding rows are covered by the tiny models above: 9 prompts replay the 12-row graph."""
     prompts = [list(range(10 + 3 * i, 50 + 7 * i)) for i in range(8)]
     sampling = [SamplingParams(**params, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     config = dict(model="random:llama-3.2-1b", device="cuda", kv_cache_memory="2GiB", max_num_seqs=8)
     graphed = LLMEngine(EngineConfig(**config))
-    assert sorted(graphed.runner.graphs) == [1, 2, 4, 5, 6, 8]
+    assert sorted(graphed.runner.graphs) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert graphed.runner.input_ring is not None and graphed.runner.host_ring is not None  # mapped pinned memory
     graphed.runner.prefill_graphs.clear()  # the same prefill GEMMs as the eager engine's (their own test below)
     drawn, read = [], graphed.runner.sampler.drawn
