@@ -24,7 +24,7 @@ from kernels.decode_attention import AttentionSplits
 from kernels.embedding import embed_rms_norm, resolve_placeholders
 from kernels.float_linear import PackedWeight, dense
 from kernels.rmsnorm import NormScale, rms_norm
-from kernels.rope import RopeKV, rope_cos_sin, rope_inv_freq
+from kernels.rope import RopeKV, rope_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -107,7 +107,7 @@ class DecoderModel(nn.Module):
         self.shard = ModelShard.of(cfg, tp.rank, tp.size, self.quant)
         self.num_kv_heads = self.shard.kv_heads[1]  # this rank's: the KV cache holds only these
         rows = self.shard.vocab_rows[1]
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, self.quant, self.shard, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype))
         self.lm_head: nn.Module | None = None  # None: tied to the embedding
@@ -118,8 +118,8 @@ class DecoderModel(nn.Module):
             self.lm_head = make_linear(cfg.hidden_size, rows, False, dtype, self.quant)
         elif not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Filled by the loader: built on the meta device, arithmetic here would import torch._dynamo (1.3 s).
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
         self.head_packed: PackedWeight | None = None  # pack_weights' copy of the float lm_head (or the tied embedding)
 
