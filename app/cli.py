@@ -7,14 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING
-
-# Before anything imports torch: torch's CUDA checks then ask NVML instead of initialising the CUDA
-# driver. Importing xgrammar runs such a check, and `serve`'s process imports it before Granian forks
-# the worker, whose CUDA would then refuse to start ("Cannot re-initialize CUDA in forked subprocess").
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from app.settings import add_arguments, engine_config, server_settings
 from engine.errors import MinillmError
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
-            from app.server import serve  # imports Granian: only the server needs it
+            from app.serve import serve  # imports Granian: only the server needs it
 
             serve(server_settings(args))  # exits non-zero (SystemExit) when the worker fails
             return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import resource
 import time
 import uuid
 from collections.abc import Awaitable
@@ -26,7 +25,6 @@ log = logging.getLogger("minillm.app")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 PROBES = ("/health", "/ready", "/metrics")
 # Connections Granian accepts beyond --max-connections: room for probes, and for the 503s that refuse the rest.
-SPARE_CONNECTIONS = 64
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted when the client left before the end
 DISCONNECT: Message = {"type": "http.disconnect"}
 
@@ -185,12 +183,3 @@ class ServerMiddleware:
         finally:
             self.active -= 1
             self.metrics.http_active.dec()
-
-
-def raise_open_files_limit(connections: int) -> None:
-    """Raise the soft limit on open files (Granian's worker inherits it) so that `connections`
-    sockets fit beside the model's files and the threads' pipes; the hard limit stays."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = connections + 1024
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))

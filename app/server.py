@@ -1,5 +1,5 @@
-"""The Starlette app (routes, lifespan that loads the engine, readiness, metrics, OpenAPI) and the
-Granian runner behind `minillm serve`."""
+"""The Starlette app (routes, lifespan that loads the engine, readiness, metrics, OpenAPI), which
+Granian's worker imports: `minillm serve` itself runs in app/serve.py."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,21 +26,17 @@ from app import tracing
 from app.errors import EXCEPTION_HANDLERS
 from app.json import JSONResponse
 from app.metrics import Metrics
-from app.middleware import SPARE_CONNECTIONS, ServerMiddleware, raise_open_files_limit
+from app.middleware import ServerMiddleware
 from app.chat import chat_completions
-from app.tools import TOOL_FORMATS
 from app.openai_api import completions, detokenize, get_model, list_models, tokenize
 from app.openapi import openapi_schema
 from app.responses import ResponseStore, create_response, delete_response, get_response
-from app.settings import ServerSettings, from_env, to_env
+from app.settings import ServerSettings
 from app.state import AppState
 from engine.async_engine import AsyncEngine
-from engine.config import parse_bytes
-from engine.errors import InvalidRequestError, MinillmError
-from engine.grammar_worker import start_fork_server
+from engine.errors import MinillmError
+from engine.fork_server import start_fork_server
 from engine.llm_engine import LLMEngine
-from engine.loader import LOAD_TIME_QUANTIZATION, RANDOM_PREFIX, model_config
-from engine.model_store import DEFAULT_MODEL, resolve_model
 
 log = logging.getLogger("minillm.app")
 
@@ -120,7 +115,7 @@ class Shutdown:
         """Granian's worker closes its listener on the first signal (connections would be refused
         during the drain) and ignores repeats: handle the worker's signals here instead, holding the
         signal that stops Granian until the drain is over. Must run in the worker before Granian
-        installs its own handlers: Granian's factory (app_from_env) does."""
+        installs its own handlers: Granian's factory (app.serve.app_from_env) does."""
         import granian._signals
         from granian._granian import WorkerSignal
 
@@ -247,107 +242,3 @@ def create_app(settings: ServerSettings, tracer_provider: Any | None = None, gra
         asgi = tracing.instrument(asgi, tracer_provider)
     return asgi
 
-
-def app_from_env() -> Any:
-    """Granian's factory target: the worker process reads its settings from MINILLM_* variables."""
-    settings = from_env()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return create_app(settings, granian_worker=True)
-
-
-def serve(settings: ServerSettings) -> None:
-    """Run the server in the foreground with Granian: one worker (it holds the model), uvloop."""
-    from granian import Granian
-    from granian.constants import HTTPModes, Interfaces, Loops
-    from granian.http import HTTP1Settings
-
-    check_settings(settings)
-    raise_open_files_limit(settings.max_connections + SPARE_CONNECTIONS)
-    os.environ.update(to_env(settings))
-    server = Granian(
-        "app.server:app_from_env",
-        factory=True,
-        address=settings.host,
-        port=settings.port,
-        interface=Interfaces.ASGI,
-        workers=1,
-        loop=Loops.uvloop,
-        log_enabled=True,
-        log_level=settings.log_level.lower(),  # type: ignore[arg-type]
-        log_access=False,  # our own structured access line replaces Granian's
-        # Granian waits for in-flight requests on SIGTERM; the app aborts them after the grace
-        # period, and this is the hard stop should anything still hang.
-        workers_kill_timeout=int(settings.shutdown_grace) + 10,
-        # HTTP/1.1 alone: its header timeout then runs from the accept, so connections that never send
-        # a byte are closed too (the HTTP/2-detecting reader waits for a first byte with no timeout).
-        http=HTTPModes.http1,
-        http1_settings=HTTP1Settings(header_read_timeout=round(settings.header_timeout * 1000)),
-        # Past this many connections Granian stops accepting: the rest wait in the listen backlog.
-        backpressure=settings.max_connections + SPARE_CONNECTIONS,
-    )
-    server.on_startup(lambda: relay_repeated_signals(server))
-    server.serve()
-
-
-def relay_repeated_signals(server: Any) -> None:
-    """Granian's main process stops its worker once (SIGTERM) however many signals it gets: pass a
-    second SIGINT or SIGTERM on to the worker, where a repeated signal means "stop now". Runs as
-    Granian's startup hook, after it installed its own handlers."""
-    received = 0
-
-    def on_signal(signum: int, frame: Any, previous: Callable[[int, Any], Any]) -> None:
-        nonlocal received
-        received += 1
-        if received > 1:
-            for worker in server.wrks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.inner.pid, signal.SIGTERM)
-        previous(signum, frame)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous = signal.getsignal(sig)
-        if callable(previous):
-            signal.signal(sig, lambda signum, frame, previous=previous: on_signal(signum, frame, previous))
-
-
-def check_settings(settings: ServerSettings) -> None:
-    """Refuse bad flag values before Granian starts, with the error `minillm generate` would give.
-    Nothing here loads weights, converts the default model or touches the GPU (Granian forks the worker
-    after this, and CUDA must not be initialised before a fork)."""
-    config = settings.engine
-
-    def need(ok: bool, flag: str, what: str) -> None:
-        if not ok:
-            raise InvalidRequestError(f"--{flag} {what}.", param=flag.replace("-", "_"))
-
-    if config.model != DEFAULT_MODEL:
-        model_config(config.model if config.model.startswith(RANDOM_PREFIX) else resolve_model(config.model))
-    if config.tokenizer not in (None, DEFAULT_MODEL):
-        resolve_model(config.tokenizer)
-    if config.kv_cache_memory is not None:
-        need(parse_bytes(config.kv_cache_memory) > 0, "kv-cache-memory", "must be more than 0 bytes")
-    if config.dtype != "auto":
-        config.torch_dtype()  # names the dtypes; needs no device for a named one
-    if config.device != "auto":
-        try:
-            torch.device(config.device)
-        except RuntimeError:
-            need(False, "device", f"must be auto, cpu or cuda[:N], not {config.device!r}")
-    need(config.quantization in (None, "", *LOAD_TIME_QUANTIZATION), "quantization",
-         f"must be {' or '.join(LOAD_TIME_QUANTIZATION)} or unset")
-    for flag, value, least in (("block-size", config.block_size, 1), ("max-num-seqs", config.max_num_seqs, 1),
-                               ("max-num-batched-tokens", config.max_num_batched_tokens, 1),
-                               ("max-model-len", config.max_model_len, 1),
-                               ("tensor-parallel-size", config.tensor_parallel_size, 1),
-                               ("max-queue", settings.max_queue, 0), ("max-body-bytes", settings.max_body_bytes, 1),
-                               ("shutdown-grace", settings.shutdown_grace, 0),
-                               ("responses-store-size", settings.responses_store_size, 0),
-                               ("max-connections", settings.max_connections, 1)):
-        need(value is None or value >= least, flag, f"must be at least {least}")
-    for flag, seconds in (("header-timeout", settings.header_timeout), ("body-timeout", settings.body_timeout),
-                          ("write-timeout", settings.write_timeout)):
-        need(seconds >= 0.001, flag, "must be at least 0.001 seconds")
-    need(0 < config.gpu_memory_utilization <= 1, "gpu-memory-utilization", "must be in (0, 1]")
-    need(0 <= settings.port < 65536, "port", "must be in [0, 65535]")
-    need(settings.tool_call_parser is None or settings.tool_call_parser in TOOL_FORMATS, "tool-call-parser",
-         f"{settings.tool_call_parser!r} is not one of {', '.join(TOOL_FORMATS)}")

@@ -11,6 +11,8 @@ from engine.errors import InvalidRequestError
 
 ENV_PREFIX = "MINILLM_"
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
+# --tool-call-parser's values: app.tools.TOOL_FORMATS' names, here so that `serve`'s checks need not import it.
+TOOL_CALL_PARSERS = ("hermes", "mistral", "llama3", "generic")
 
 _ENGINE_HELP = {
     "model": "'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or random:<shape>",
@@ -85,7 +87,7 @@ _HELP = {
     "write_timeout": "seconds one write to a client may wait while it reads nothing; then its stream is aborted as if it had left",
     "shutdown_grace": "seconds that in-flight requests get to finish after SIGTERM",
     "log_level": "debug, info, warning or error",
-    "tool_call_parser": "tool-call format: hermes, llama3, mistral or generic (default: recognised from the chat template)",
+    "tool_call_parser": f"tool-call format: {', '.join(TOOL_CALL_PARSERS)} (default: recognised from the chat template)",
     "responses_store_size": "most Responses API responses kept for previous_response_id and GET (LRU, per server process; 0: none)",
     "prefix_cache_isolation": "none: every request may reuse any cached prompt prefix (a request's cache_salt still keeps it apart); api-key: only requests with the same Authorization header share cached blocks, so one tenant cannot tell from its time to first token whether another sent a prompt",
 }

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names: torch dtypes of the same name
+# Formats a float checkpoint can be quantized into as it loads (--quantization).
+LOAD_TIME_QUANTIZATION = ("fp8",)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
 
@@ -73,11 +75,14 @@ class EngineConfig:
         big = device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 70 * 2**30
         return 8192 if big else 2048 if device.type == "cuda" else 512
 
+    def check_dtype(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+
     def torch_dtype(self) -> torch.dtype:
         import torch
 
+        self.check_dtype()
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
-        if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return getattr(torch, self.dtype)

@@ -36,7 +36,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from multiprocessing.shared_memory import SharedMemory
@@ -45,6 +44,7 @@ import torch
 import xgrammar as xgr
 
 from engine.errors import InvalidRequestError
+from engine.fork_server import fork_server_context
 from engine.sampling_params import StructuredOutput
 from engine.structured_output import GrammarCompiler
 
@@ -62,20 +62,6 @@ def worker_processes(max_num_seqs: int) -> int:
     if max_num_seqs < SPLIT_BATCH or cores < 4:
         return 1
     return 4 if cores >= 8 else 2
-
-
-def _fork_server() -> mp.context.ForkServerContext:
-    """The context the workers start from; the fork server imports this module when it starts."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
-def start_fork_server() -> None:
-    """Start the workers' fork server now, without waiting for it: its imports then overlap with
-    loading the model, and the first GrammarWorker.start waits less."""
-    _fork_server()
-    forkserver.ensure_running()
 
 
 class GrammarWorkerError(RuntimeError):
@@ -136,7 +122,7 @@ class GrammarWorker:
         which imports xgrammar and torch once, so that only a process's first worker pays for that."""
         if self._processes:
             return
-        ctx = _fork_server()
+        ctx = fork_server_context()
         for index in range(self.processes):
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=_serve, args=(theirs, self._info_json, self._cache_size, index, self.processes),

@@ -10,23 +10,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.config import LOAD_TIME_QUANTIZATION
 from engine.distributed import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
-from engine.models.config import ModelConfig, QuantConfig
+from engine.models.config import RANDOM_PREFIX, ModelConfig, QuantConfig, model_config
 from engine.models.linear import Int4Linear, linear_class
 from engine.models.llama import DecoderLayer, DecoderModel
-from engine.models.shapes import shape_config
 from kernels.fp8_linear import FP8
 from kernels.rope import rope_inv_freq
 
-RANDOM_PREFIX = "random:"
 # Tensors some checkpoints carry that the decoder recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # FP8 checkpoints' static activation and KV-cache scales: minillm keeps activations and KV in the
 # model's dtype, so it needs none of them.
 _FP8_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
-# Formats a float checkpoint can be quantized into as it loads (--quantization).
-LOAD_TIME_QUANTIZATION = ("fp8",)
 
 
 def checkpoint_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -153,13 +150,6 @@ def random_tensors(cfg: ModelConfig, seed: int, device: torch.device) -> Iterato
     for name, shape in checkpoint_tensor_shapes(cfg).items():
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02
         yield name, (t + 1.0 if name.endswith("norm.weight") else t)
-
-
-def model_config(model: str | Path) -> ModelConfig:
-    """The config of a directory or of a `random:<shape>` name."""
-    if str(model).startswith(RANDOM_PREFIX):
-        return ModelConfig.from_hf(shape_config(str(model)[len(RANDOM_PREFIX):]))
-    return ModelConfig.from_dir(Path(model))
 
 
 def load_model(model: str | Path, dtype: torch.dtype, device: torch.device, seed: int = 0,

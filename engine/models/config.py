@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelLoadError
+from engine.models.shapes import shape_config
 
 # Architectures our one decoder serves, with what differs between them.
 SUPPORTED_ARCHITECTURES = {
@@ -14,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {"qkv_bias": False},
     "Qwen2ForCausalLM": {"qkv_bias": True},
 }
+RANDOM_PREFIX = "random:"  # a model named random:<shape> has seeded random weights (engine/models/shapes.py)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # The decoder's linear layers, the only ones a quantized checkpoint may quantize.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -191,3 +193,10 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int, num_kv_heads: int | None = None) -> int:
         """K and V of every layer for one token; num_kv_heads: a tensor-parallel rank's share."""
         return 2 * self.num_layers * (num_kv_heads or self.num_kv_heads) * self.head_dim * dtype_bytes
+
+
+def model_config(model: str | Path) -> ModelConfig:
+    """The config of a directory or of a `random:<shape>` name."""
+    if str(model).startswith(RANDOM_PREFIX):
+        return ModelConfig.from_hf(shape_config(str(model)[len(RANDOM_PREFIX):]))
+    return ModelConfig.from_dir(Path(model))

@@ -108,6 +108,30 @@ def test_help_imports_no_torch_and_shows_defaults(argv: list[str]) -> None:
             assert "(default" in entry, entry
 
 
+def test_serves_process_imports_neither_torch_nor_the_app(default_model_dir) -> None:
+    """`minillm serve`'s own process checks the flags and starts Granian without importing torch,
+    xgrammar or the app: Granian forks its worker from this process, which imports them itself, beside
+    the grammar worker's fork server (and starts CUDA, which a fork must not inherit)."""
+    check = f"""if True:
+        import sys, granian, app.cli
+        def started(*args, **kwargs):  # where Granian would fork its worker
+            sys.exit(", ".join(m for m in ("torch", "xgrammar", "transformers", "app.server") if m in sys.modules) or 0)
+        granian.Granian = started
+        app.cli.main(["serve", "--model", {str(default_model_dir)!r}, "--tool-call-parser", "hermes"])
+        sys.exit("Granian never started")
+    """
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+
+
+def test_tool_call_parser_names_are_the_formats() -> None:
+    from app.settings import TOOL_CALL_PARSERS
+    from app.tools import TOOL_FORMATS
+
+    assert TOOL_CALL_PARSERS == tuple(TOOL_FORMATS)
+
+
 def test_quantize_defaults_match_the_engine() -> None:
     """The parser's quantize defaults are plain values (no torch for --help); they must be the engine's."""
     from engine.quantization import CALIBRATION_TOKENS, METHODS, TUNE_STEPS

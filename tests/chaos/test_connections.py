@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.middleware import SPARE_CONNECTIONS
+from app.serve import SPARE_CONNECTIONS
 from tests.app.conftest import Server, start_server
 from tests.chaos.common import WAIT, assert_idle_and_serving, chat, metric, wait_until
 

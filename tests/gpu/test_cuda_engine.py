@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -214,23 +211,3 @@ def test_batch1_decode_with_folded_norms_matches_the_unfolded_model(tiny_model_d
     assert rel < 2e-2, rel
     # Greedy picks the same token but for near-ties (FP8 tiny Qwen2 had one): within bf16 noise of the top.
     assert apart[0, folded.argmax()] >= apart.max() - 2e-2 * apart.abs().max()
-
-
-def test_the_servers_forked_worker_can_use_cuda() -> None:
-    """`serve`'s process imports the app (xgrammar with it) before Granian forks the worker that loads
-    the model: CUDA must still start there. A fresh interpreter, as `minillm serve` is."""
-    pytest.importorskip("starlette", reason="the server's packages (a GPU machine may carry only the engine's)")
-    code = """if True:
-        import os
-        import app.cli, app.server  # what serve's process imports before the fork
-        import torch
-        pid = os.fork()
-        if pid == 0:
-            torch.zeros(1, device="cuda")
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        raise SystemExit(os.waitstatus_to_exitcode(status))
-    """
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
