@@ -36,8 +36,8 @@ from kernels.staging import HEAD, maps_pinned_memory, stage
 log = logging.getLogger("minillm.engine")
 
 # A batch replays the next size's graph, padded, at that size's cost: every size to 8 rows (a verify
-# step of 4 drafts at one sequence is 5 rows), then steps of 8 to 64 with 12 (docs/performance.md).
-GRAPH_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64, 96, 128, 192, 256)
+# step of 4 drafts at one sequence is 5 rows), then steps of 8 to 64 with 12, of 16 to 128 (docs/performance.md).
+GRAPH_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 192, 256)
 # Steps with prefill chunks (or drafts) replay a graph too, padded to the next of these token counts:
 # launched one by one from the host, a short prefill's kernels take longer to launch than to run.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
