@@ -24,7 +24,6 @@ log = logging.getLogger("minillm.app")
 # Paths that need the API key when one is set; /health, /ready and /metrics stay open for probes.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 PROBES = ("/health", "/ready", "/metrics")
-# Connections Granian accepts beyond --max-connections: room for probes, and for the 503s that refuse the rest.
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted when the client left before the end
 DISCONNECT: Message = {"type": "http.disconnect"}
 

@@ -19,7 +19,8 @@ from engine.fork_server import start_fork_server
 from engine.model_store import DEFAULT_MODEL, resolve_model
 from engine.models.config import RANDOM_PREFIX, model_config
 
-SPARE_CONNECTIONS = 64  # accepted past --max-connections: probes, and the requests refused with 503
+# Connections Granian accepts beyond --max-connections: room for probes, and for the 503s that refuse the rest.
+SPARE_CONNECTIONS = 64
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # --device's values
 
 

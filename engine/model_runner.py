@@ -1,7 +1,7 @@
 """Runs one scheduled step on the device: batch inputs, the forward over the paged KV cache, sampling.
 
-On CUDA, decode-only steps replay a CUDA graph captured for the next padded batch size (1, 2, 4,
-5, 6, 8, 16, 32, … up to --max-num-seqs): the whole forward and the logits are one launch. A step whose
+On CUDA, decode-only steps replay a CUDA graph captured for the next of GRAPH_BATCH_SIZES (padded,
+up to --max-num-seqs): the whole forward and the logits are one launch. A step whose
 sequences all decode, some with drafts (a verify step), is laid out as decode rows, a row per token,
 so it replays them too. Steps with prefill chunks replay a prefill graph padded to the next of
 PREFILL_GRAPH_TOKENS where they fit one, else run eagerly.
