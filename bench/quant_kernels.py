@@ -197,7 +197,7 @@ def few_rows_tiling(tiling: tuple[int, int, int, int, int] | str | None):
         float_module.ROWS_GEMV_SPLIT = float_module.ROWS_GEMV_LARGE = True
     if isinstance(tiling, tuple):
         block_n, step, warps, stages, per_sm = tiling
-        float_module.rows_config = lambda element_size, *shape: dict(
+        float_module.rows_config = lambda element_size: dict(
             BLOCK_N=block_n, BLOCK_K=step // element_size, num_warps=warps, num_stages=stages, per_sm=per_sm)
     try:
         yield

@@ -314,19 +314,10 @@ def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size:
                                          device)[0] == 1
 
 
-# _float_rows_kernel's warps and K split (programs an SM) over a deep weight (more inputs than
-# outputs: down), module constants for bench/graph_ab.py.
-ROWS_DEEP_WARPS = 4
-ROWS_DEEP_PER_SM = 2
-
-
-def rows_config(element_size: int, out_features: int, in_features: int) -> dict[str, int]:
+def rows_config(element_size: int) -> dict[str, int]:
     """_float_rows_kernel's tiling: 32 weight rows a program, 256 bytes of each a K step, 4 warps,
     3 stages, split along K to about `per_sm` programs per SM (the fastest of 35 tilings at 8 rows in
     bench/quant_kernels.py --float-few-rows)."""
-    if in_features > out_features:
-        return dict(BLOCK_N=32, BLOCK_K=256 // element_size, num_warps=ROWS_DEEP_WARPS, num_stages=3,
-                    per_sm=ROWS_DEEP_PER_SM)
     return dict(BLOCK_N=32, BLOCK_K=256 // element_size, num_warps=4, num_stages=3, per_sm=2)
 
 
@@ -422,7 +413,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     q, rope_args = rope_arguments(x, rope)
     out = torch.empty(rows, out_features // 2 if silu_mul else out_features, dtype=x.dtype, device=x.device) \
         if q is None else q
-    cfg = rows_config(weight.element_size(), out_features, in_features)
+    cfg = rows_config(weight.element_size())
     block_n, block_k, per_sm = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("per_sm")
     paired = silu_mul or rope is not None  # a program's weight rows are BLOCK_N / 2 pairs
     tiles = triton.cdiv(out_features // 2 if paired else out_features, block_n // 2 if paired else block_n)

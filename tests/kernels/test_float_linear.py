@@ -156,7 +156,7 @@ def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter,
     # one row, or a few over a small unsplit weight: the GEMV's tilings (large: out_features <
     # in_features, the deep one); else the few-row kernel's
     gemv = rows == 1 or rows_gemv_fits(rows, out_features, in_features, 4, x.device)
-    tile = gemv_config(out_features, in_features, 4)["ROWS"] if gemv else rows_config(4, out_features, in_features)["BLOCK_N"]
+    tile = gemv_config(out_features, in_features, 4)["ROWS"] if gemv else rows_config(4)["BLOCK_N"]
     assert norm.sumsq.shape == (rows, -(-out_features // tile))
     torch.testing.assert_close(norm.sumsq.sum(-1), ref_norm.sumsq.sum(-1), rtol=1e-5, atol=0)
     torch.testing.assert_close(norm.apply(u), rms_norm_ref(y, norm_w, 1e-5, residual)[0], **TOLERANCE[dtype])
