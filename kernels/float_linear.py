@@ -89,7 +89,6 @@ def _float_gemv_kernel(
 def _float_gemv_tma_kernel(
     x_ptr, w_desc, out_ptr, half_n, K, in_sumsq_ptr, in_parts, eps,
     PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_IN: tl.constexpr, PDL: tl.constexpr,
-    BEFORE: tl.constexpr = 1,
 ):
     """_float_gemv_kernel's SiLU·up over a wide merged gate/up weight, its weights streamed by the
     tensor memory accelerator: each program's PAIRS gate rows and their up rows half_n further on,
@@ -99,20 +98,13 @@ def _float_gemv_tma_kernel(
     k = tl.arange(0, BLOCK_K)
     gate_w = w_desc.load([p0, 0])
     up_w = w_desc.load([half_n + p0, 0])
-    if BEFORE == 2:
-        gate_w2 = w_desc.load([p0, BLOCK_K])
-        up_w2 = w_desc.load([half_n + p0, BLOCK_K])
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     gate = gate_w.to(tl.float32) * xk[None, :]
     up = up_w.to(tl.float32) * xk[None, :]
-    if BEFORE == 2:
-        xk = tl.load(x_ptr + BLOCK_K + k, mask=BLOCK_K + k < K, other=0.0).to(tl.float32)
-        gate += gate_w2.to(tl.float32) * xk[None, :]
-        up += up_w2.to(tl.float32) * xk[None, :]
-    for k0 in tl.range(BEFORE * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         gate_w = w_desc.load([p0, k0])
         up_w = w_desc.load([half_n + p0, k0])
         xk = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
@@ -250,10 +242,6 @@ def _float_rows_gemv_kernel(
                          HAS_BIAS, SPLIT_K, True, SILU_MUL, NORM_IN, ADD_NORM, ROPE, BLOCK_M, ROWS, HALF)
 
 
-TMA_BEFORE = 1  # throwaway: steps of gate/up read by TMA before the wait
-SMALL_AHEAD = 1  # throwaway: steps of a small weight in flight (2: a 1B QKV row whole before the wait)
-
-
 def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[str, int]:
     """_float_gemv_kernel's tiling by weight shape (kernels/split_k.py's large_tiling). A small weight
     takes 4 rows a program of 4 warps, 2 KB of each row a step (the first loaded before the wait); a
@@ -263,7 +251,7 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     in bench/quant_kernels.py --float-one-row, then in the engine (docs/performance.md)."""
     if not large_tiling(out_features, in_features):
         return dict(ROWS=4, BLOCK_K=min(2048 // element_size, triton.next_power_of_2(in_features)), num_warps=4,
-                    AHEAD=SMALL_AHEAD)
+                    AHEAD=1)
     if out_features >= in_features:
         return dict(ROWS=8, BLOCK_K=1024 // element_size, num_warps=2, AHEAD=1)
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
@@ -273,7 +261,7 @@ def tma_config(element_size: int) -> dict[str, int]:
     """_float_gemv_tma_kernel's tiling: 8 pairs (16 weight rows) a program of 2 warps, 512 bytes of
     each row a step, 3 steps in flight (the fastest of 80 TMA tilings on the 1B shape's gate/up;
     docs/performance.md)."""
-    return dict(PAIRS=8, BLOCK_K=512 // element_size, STAGES=3, num_warps=2, BEFORE=TMA_BEFORE)
+    return dict(PAIRS=8, BLOCK_K=512 // element_size, STAGES=3, num_warps=2)
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
