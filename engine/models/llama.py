@@ -118,7 +118,7 @@ class DecoderModel(nn.Module):
             self.lm_head = make_linear(cfg.hidden_size, rows, False, dtype, self.quant)
         elif not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, dtype=dtype)
-        # Filled by the loader: on the meta device, arithmetic here would import torch._dynamo (a second).
+        # Filled by the loader: arithmetic on the meta device would import torch._dynamo, slowly.
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.cos_sin: torch.Tensor | None = None  # built for max_model_len by init_rope()
         self.head_packed: PackedWeight | None = None  # pack_weights' copy of the float lm_head (or the tied embedding)
