@@ -88,23 +88,31 @@ def _float_gemv_kernel(
 @triton.jit
 def _float_gemv_tma_kernel(
     x_ptr, w_desc, out_ptr, half_n, K, in_sumsq_ptr, in_parts, eps,
-    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_IN: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, EARLY_STEPS: tl.constexpr,
+    NORM_IN: tl.constexpr, PDL: tl.constexpr,
 ):
     """_float_gemv_kernel's SiLU·up over a wide merged gate/up weight, its weights streamed by the
     tensor memory accelerator: each program's PAIRS gate rows and their up rows half_n further on,
-    BLOCK_K inputs a step, STAGES steps in flight through shared memory (the first read before the
-    wait). Rows and inputs past the weight's edge load as zeros."""
+    BLOCK_K inputs a step, STAGES steps in flight through shared memory, the first EARLY_STEPS (1 or
+    2) read before the wait. Rows and inputs past the weight's edge load as zeros."""
     p0 = tl.program_id(0) * PAIRS
     k = tl.arange(0, BLOCK_K)
     gate_w = w_desc.load([p0, 0])
     up_w = w_desc.load([half_n + p0, 0])
+    if EARLY_STEPS == 2:
+        gate_w2 = w_desc.load([p0, BLOCK_K])
+        up_w2 = w_desc.load([half_n + p0, BLOCK_K])
     wait_for_previous_kernel(PDL)
     if NORM_IN:  # its partial sums' latency under the loop's
         factor = norm_factor(in_sumsq_ptr, in_parts, K, eps, 256)
     xk = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     gate = gate_w.to(tl.float32) * xk[None, :]
     up = up_w.to(tl.float32) * xk[None, :]
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+    if EARLY_STEPS == 2:
+        xk = tl.load(x_ptr + BLOCK_K + k, mask=BLOCK_K + k < K, other=0.0).to(tl.float32)
+        gate += gate_w2.to(tl.float32) * xk[None, :]
+        up += up_w2.to(tl.float32) * xk[None, :]
+    for k0 in tl.range(EARLY_STEPS * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         gate_w = w_desc.load([p0, k0])
         up_w = w_desc.load([half_n + p0, k0])
         xk = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
@@ -257,11 +265,13 @@ def gemv_config(out_features: int, in_features: int, element_size: int) -> dict[
     return dict(ROWS=16, BLOCK_K=256 // element_size, num_warps=2, AHEAD=2)
 
 
-def tma_config(element_size: int) -> dict[str, int]:
+def tma_config(element_size: int, in_features: int) -> dict[str, int]:
     """_float_gemv_tma_kernel's tiling: 8 pairs (16 weight rows) a program of 2 warps, 512 bytes of
-    each row a step, 3 steps in flight (the fastest of 80 TMA tilings on the 1B shape's gate/up;
-    docs/performance.md)."""
-    return dict(PAIRS=8, BLOCK_K=512 // element_size, STAGES=3, num_warps=2)
+    each row a step, 3 steps in flight (the fastest of 80 TMA tilings on the 1B shape's gate/up).
+    Two steps are read before the wait where they are half the row or more (the 0.5B shape's
+    gate/up gained; deeper rows gained nothing from it; docs/performance.md)."""
+    block_k = 512 // element_size
+    return dict(PAIRS=8, BLOCK_K=block_k, STAGES=3, EARLY_STEPS=2 if in_features <= 4 * block_k else 1, num_warps=2)
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -359,7 +369,7 @@ def _gemv_tma(x: torch.Tensor, weight: torch.Tensor, norm_in: NormScale | None) 
     """One row x [1, K] of SiLU·up over a merged gate/up weight (tma_fits) through
     _float_gemv_tma_kernel: [1, N / 2]."""
     out_features, in_features = weight.shape
-    cfg = tma_config(weight.element_size())
+    cfg = tma_config(weight.element_size(), in_features)
     pairs = cfg.pop("PAIRS")
     out = torch.empty(1, out_features // 2, dtype=x.dtype, device=x.device)
     desc = TensorDescriptor.from_tensor(weight, [pairs, cfg["BLOCK_K"]])

@@ -102,18 +102,21 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_in", [False, True])
-def test_tma_gemv_silu_mul_matches_the_reference(triton_interpreter, monkeypatch, dtype, norm_in) -> None:
-    # A wide gate/up weight of the large tiling streams through TMA: 164 pairs (the last program's
-    # part past the edge) over 296 inputs (a partial last step, loaded as zeros), with the next
-    # projection's norm factor or without.
+@pytest.mark.parametrize("in_features, out_features, early_steps", [(296, 328, 2), (1320, 1330, 1)],
+                         ids=["two-early-steps", "one-early-step"])
+def test_tma_gemv_silu_mul_matches_the_reference(triton_interpreter, monkeypatch, dtype, norm_in, in_features,
+                                                 out_features, early_steps) -> None:
+    # A wide gate/up weight of the large tiling streams through TMA: the last program's pairs partly
+    # past the edge, a partial last step (loaded as zeros), two steps read before the wait on a short
+    # row and one on a deep row, with the next projection's norm factor or without.
     monkeypatch.setattr(split_k_module, "LARGE_TILING_MIN_WEIGHTS", 0)
     gen = torch.Generator().manual_seed(300)
-    in_features, out_features = 296, 328
     weight = _weights(gen, out_features, in_features, dtype)
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     norm = NormScale(torch.rand(1, 5, generator=gen) * in_features, 1e-5) if norm_in else None
-    cfg = tma_config(weight.element_size())
+    cfg = tma_config(weight.element_size(), in_features)
     assert tma_fits(x, weight) and (out_features // 2) % cfg["PAIRS"] and in_features % cfg["BLOCK_K"]
+    assert cfg["EARLY_STEPS"] == early_steps
     with nan_poisoned_allocations():
         out = float_linear(x, weight, silu_mul=True, norm_in=norm)
     reference = float_linear_ref(x if norm is None else norm.apply(x), weight, silu_mul=True)
