@@ -138,13 +138,12 @@ def _float_rows_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
     alone leave SMs idle), with the same epilogues per row: the weight rows are the one-row
-    kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row. EARLY: the
-    first weight tile is read before the wait for the previous kernel."""
+    kernel's (SiLU·up or RoPE pairs), the norm factors and add-norm sums one per row."""
     m, m_ok, cols, col_ok, slot, cos, sin = matmul_outputs(
         M, N, positions_ptr, slot_mapping_ptr, cos_sin_ptr, cos_sin_stride, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
         1, True, SILU_MUL, ROPE, HALF)
@@ -154,20 +153,8 @@ def _float_rows_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_first = k_begin
-    if EARLY:
-        k = k_begin + ks
-        k_ok = k < k_end
-        wt = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     wait_for_previous_kernel(PDL, False)
-    if EARLY:
-        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(xt, wt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, wt, acc)
-        k_first += BLOCK_K
-    for k0 in range(k_first, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + ks
         k_ok = k < k_end
         xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -337,9 +324,6 @@ def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size:
                                          device)[0] == 1
 
 
-EARLY_MAX_TILES = 1  # throwaway for an A/B: a few-row program of at most this many K tiles reads its first early
-
-
 def rows_config(element_size: int) -> dict[str, int]:
     """_float_rows_kernel's tiling: 32 weight rows a program, 256 bytes of each a K step, 4 warps,
     3 stages, split along K to about `per_sm` programs per SM (the fastest of 35 tilings at 8 rows in
@@ -451,8 +435,8 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         x, weight, bias, out, part, counts, rows, out_features, in_features, x.stride(0), weight.stride(0), per_split,
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
-        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32,
-        EARLY=per_split <= EARLY_MAX_TILES, PDL=pdl, **cfg, **launch_options(pdl))
+        ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
