@@ -95,6 +95,7 @@ def _float_gemv_tma_kernel(
     tensor memory accelerator: each program's PAIRS gate rows and their up rows half_n further on,
     BLOCK_K inputs a step, STAGES steps in flight through shared memory, the first EARLY_STEPS (1 or
     2) read before the wait. Rows and inputs past the weight's edge load as zeros."""
+    tl.static_assert(EARLY_STEPS == 1 or EARLY_STEPS == 2)  # the loop starts past them: any other would skip steps
     p0 = tl.program_id(0) * PAIRS
     k = tl.arange(0, BLOCK_K)
     gate_w = w_desc.load([p0, 0])
