@@ -139,7 +139,7 @@ def _float_rows_kernel(
     cache_stride_h, num_heads, num_kv_heads,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM_IN: tl.constexpr, ADD_NORM: tl.constexpr, ROPE: tl.constexpr,
-    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY_WEIGHTS: tl.constexpr = False,
+    HALF: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The few-row (decode batches up to FEW_ROWS) version of _float_gemv_kernel: M rows of x
     against BLOCK_N weight rows, a tensor-core dot a BLOCK_K step (split along K when the tiles
@@ -154,39 +154,16 @@ def _float_rows_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if EARLY_WEIGHTS and PDL:
-        xt = tl.zeros([BLOCK_M, BLOCK_K], dtype=x_ptr.dtype.element_ty)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < k_end
-            wt = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            # 0, after the wait for the previous kernel in the first step: x's loads depend on it, so
-            # the pipeliner leaves them in the loop while the weights' first stages go before it.
-            zero = tl.inline_asm_elementwise(
-                "{ .reg .pred first; setp.eq.s32 first, $1, $2; @first griddepcontrol.wait; mov.b32 $0, 0; }",
-                "=r,r,r", [k0, k_begin], dtype=tl.int32, is_pure=False, pack=1)
-            first = k0 == k_begin
-            x0 = tl.load(x_rows + (k + zero)[None, :], mask=m_ok[:, None] & (k_ok & first)[None, :], other=0.0)
-            xt = tl.where(first, x0, xt)
-            kn = k + BLOCK_K + zero  # the next step's x in flight while this one's dot runs
-            x_next = tl.load(x_rows + kn[None, :], mask=m_ok[:, None] & (kn < k_end)[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xt, wt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, wt, acc)
-            xt = x_next
-        wait_for_previous_kernel(PDL, False)  # a no-op after the loop's: the epilogue's reads and writes after it
-    else:
-        wait_for_previous_kernel(PDL, False)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < k_end
-            xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xt, wt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, wt, acc)
+    wait_for_previous_kernel(PDL, False)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < k_end
+        xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, wt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
     launch_next_kernel(PDL)
     store_matmul_outputs(acc, m, m_ok, cols, col_ok, out_ptr, bias_ptr, part_ptr, count_ptr, M, N, K, in_sumsq_ptr,
                          in_parts, eps, residual_ptr, norm_w_ptr, residual_out_ptr, sumsq_ptr, slot, cos, sin,
@@ -330,9 +307,6 @@ ROWS_GEMV_FILL_PAST = 6
 # weights. Both measured slower than the tensor-core kernel (docs/performance.md).
 ROWS_GEMV_SPLIT = False
 ROWS_GEMV_LARGE = False
-# Throwaway, for bench/graph_ab.py: the few-row kernel's first weight stages in flight before its wait
-# (x's loads made to depend on the wait, so the pipeliner leaves them in the loop).
-ROWS_EARLY_WEIGHTS = False
 
 
 def rows_gemv_fits(rows: int, out_features: int, in_features: int, element_size: int, device: torch.device) -> bool:
@@ -463,7 +437,7 @@ def _rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
         *norm_args, *rope_args, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, SILU_MUL=silu_mul, NORM_IN=norm_in is not None, ADD_NORM=add_norm is not None,
         ROPE=rope is not None, HALF=rope.head_dim // 2 if rope else 1, IEEE=x.dtype == torch.float32, PDL=pdl,
-        EARLY_WEIGHTS=ROWS_EARLY_WEIGHTS, **cfg, **launch_options(pdl))
+        **cfg, **launch_options(pdl))
     return out, residual_out, sumsq
 
 
