@@ -32,12 +32,18 @@ $(STAMP): pyproject.toml Makefile
 $(HELM): tools/get_helm.py | $(STAMP)
 	$(BIN)/python tools/get_helm.py
 
+# Test files spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, which keeps
+# its fixtures), torch on one thread in each and in their servers: with two threads apiece their OpenMP
+# threads spin for cores the others hold, and two workers run slower than one.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install $(HELM)
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 # Everything but the tests marked slow (quantization runs, tensor parallelism, deploy checks).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 serve: install
 	$(BIN)/minillm serve --model $(MODEL) $(ARGS)
