@@ -51,11 +51,11 @@ def run_until_sigterm(server, max_tokens: int) -> tuple[list[dict], float]:
 
 def test_sigterm_lets_in_flight_streams_finish(default_model_dir, tmp_path) -> None:
     server = start_server(default_model_dir, tmp_path / "server.log", "--shutdown-grace", "30")
-    events, _ = run_until_sigterm(server, max_tokens=48)
+    events, _ = run_until_sigterm(server, max_tokens=24)
     assert events[-1] == {"done": True}
     reasons = [e["choices"][0]["finish_reason"] for e in events[:-1] if e.get("choices")]
     assert reasons[-1] == "length" and reasons.count("length") == 1
-    assert sum(len(e["choices"][0]["delta"].get("content", "")) > 0 for e in events[:-1]) >= 40
+    assert sum(len(e["choices"][0]["delta"].get("content", "")) > 0 for e in events[:-1]) >= 20
     assert "draining 1 in-flight" in server.log_text()
 
 

@@ -218,7 +218,7 @@ def test_streams_nobody_reads_do_not_hold_the_queue(server: Server) -> None:
     try:
         for i, client in enumerate(clients):  # one at a time: none of them waits for the engine
             request = client.build_request("POST", server.url + "/v1/chat/completions",
-                                           json=chat(f"Say {i}.", max_tokens=8, stream=True))
+                                           json=chat(f"Say {i}.", max_tokens=2, stream=True))
             streams.append(client.send(request, stream=True))  # its headers read, its body never
             assert streams[-1].status_code == 200
             wait_until(lambda: metric(server.url, "requests_running") == metric(server.url, "requests_waiting") == 0,

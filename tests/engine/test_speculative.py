@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -283,24 +284,39 @@ def test_the_speed_gate_pauses_drafts_that_do_not_pay() -> None:
     assert gate.paces[4].next_pause == MIN_PAUSE
 
 
-def test_drafting_stops_where_verify_steps_are_slow(default_model_dir) -> None:
+def test_drafting_stops_where_verify_steps_are_slow() -> None:
     """On a clock where a decode step takes 10 ms and a verify step 100 ms (at most 5 tokens, where
     a decode step makes 10 in that time), the engine drafts only in its gate's probes, each followed
-    by a pause: at most two probes in 160 tokens. (One sequence, under a gate that times batch 1 too.)"""
-    slow = make_engine(default_model_dir, speculative_method="ngram", num_speculative_tokens=4,
-                       speculative_max_batch=8)
+    by a pause that doubles: two probes in 136 tokens, where a third would start at token 128 if the
+    second pause were no longer than the first. (One sequence, under a gate that times batch 1 too;
+    a stub model that carries on its prompt's cycle, so that every draft is accepted: drafting's best
+    case still loses.)"""
+    slow = LLMEngine(EngineConfig(model="random:tiny-llama3", device="cpu", kv_cache_memory="16MiB",
+                                  speculative_method="ngram", num_speculative_tokens=4, speculative_max_batch=8))
     slow.scheduler.gate = SpeedGate(min_batch=1)
-    now, forward = [0.0], slow.runner.forward
+    now, launches = [0.0], []
+    cycle = [300 + 7 * i for i in range(16)]
 
-    def timed(step, prev, rows=None):
-        now[0] += 0.1 if step.decodes and len(step.input_ids) > 1 else 0.01  # one sequence: 1 + its drafts
-        return forward(step, prev, rows)
-    slow.runner.forward, slow.clock = timed, lambda: now[0]
-    [result] = slow.generate(chats(LIST), SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
-    assert len(result.token_ids) == 160
+    def forward(step, prev, rows=None):  # a stub model, timed: one sequence, so 1 + its drafts rows
+        verify = step.decodes and len(step.input_ids) > 1
+        now[0] += 0.1 if verify else 0.01
+        launches.append("V" if verify else ".")
+        n = len(step.logit_rows) + len(step.prompt_rows)
+        return torch.zeros(n, 512) if n else None
+
+    slow.runner.forward, slow.clock = forward, lambda: now[0]
+    slow.runner.sample = lambda logits, rows, mask=None: SamplerOutput(
+        torch.tensor([cycle[row.counter % 16] for row in rows], dtype=torch.int64))
+    [result] = slow.generate([cycle * 4], SamplingParams(temperature=0, max_tokens=136, ignore_eos=True))
+    assert result.token_ids == (cycle * 9)[:136]
     pace = slow.scheduler.gate.paces[1]
-    assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 2 * MIN_PAUSE  # paused
-    assert 0 < slow.stats().draft_tokens <= 4 * 2 * PROBE_STEPS
+    assert pace.plain_steps >= WARM_STEPS + MIN_PAUSE and pace.next_pause >= 4 * MIN_PAUSE  # paused twice
+    # Each probe's PROBE_STEPS timed steps, and the one launched in the step() that records its verdict.
+    probes = re.findall("V+", "".join(launches))
+    assert len(probes) == 2 and all(PROBE_STEPS <= len(p) <= PROBE_STEPS + 1 for p in probes), launches
+    assert 0 < slow.stats().accepted_draft_tokens == slow.stats().draft_tokens <= 4 * 2 * (PROBE_STEPS + 1)
+    assert slow.block_manager.num_used_blocks == 0
+    slow.close()
 
 
 def test_the_speed_gate_leaves_a_sequence_alone_to_its_draft_state() -> None:
@@ -324,7 +340,10 @@ def engines(default_model_dir) -> tuple[LLMEngine, LLMEngine]:
                                                        speculative_gate=False)
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix", "ngram-overlap", "suffix-overlap"])
+# Each draft source waiting for the step in flight, and one going ahead of it: the lookahead is the
+# engine's, the same for both; the n-gram index's guesses past a step in flight (and its rollbacks)
+# are test_drafts_past_a_step_in_flight_follow_a_guess_of_its_last_sample's.
+@pytest.fixture(scope="module", params=["ngram", "suffix", "suffix-overlap"])
 def spec_engines(request, default_model_dir, engines) -> tuple[LLMEngine, LLMEngine]:
     """The embedded model without speculation, and with each draft source, steps with drafts waiting
     for the step in flight or going ahead of it (overlap)."""
@@ -382,11 +401,13 @@ def chats(*texts: str) -> list[list[dict[str, str]]]:
 
 
 PROMPTS = chats(CODE, LIST, CODE, LIST)
+# 28 tokens: the seeded requests and the greedy one that stops have drafts proposed and accepted by
+# then (the greedy CODE one, which never drafts, stays as a row without drafts beside them).
 PARAMS = [
-    SamplingParams(temperature=0, max_tokens=48),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=28),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=28, logprobs=2),
     # Each draft's position keys its own noise: with any other, most of these samples differ.
-    SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=4),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=28, n=4),
     SamplingParams(temperature=0, max_tokens=64, stop=["figs"]),
 ]
 
@@ -431,7 +452,7 @@ def test_steps_go_ahead_of_drafts_only_where_asked() -> None:
 
 
 TIGHT_PROMPTS = chats(LIST, CODE, LIST + " Then stop.", "Count from one to twenty in words.")
-TIGHT_GREEDY = SamplingParams(temperature=0, max_tokens=40)
+TIGHT_GREEDY = SamplingParams(temperature=0, max_tokens=32)  # with their prompts, well past 14 blocks
 
 
 @pytest.fixture(scope="module")
@@ -458,12 +479,12 @@ def test_preemption_and_prefix_cache_hits_keep_the_outputs(default_model_dir, ti
 def test_penalized_requests_draft_too(engines) -> None:
     # Each draft's row counts the drafts before it in its history, as the step after them would
     # (the same rows for every draft source). Mild penalties, so that the text still repeats itself.
+    # Both in one batch, each with its own history; both draft within their first 32 tokens.
     base, spec = engines
-    params = [SamplingParams(temperature=0, max_tokens=64, frequency_penalty=0.02),
-              SamplingParams(temperature=0.7, seed=3, max_tokens=64, presence_penalty=0.05, repetition_penalty=1.01)]
+    params = [SamplingParams(temperature=0, max_tokens=32, frequency_penalty=0.02),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=32, presence_penalty=0.05, repetition_penalty=1.01)]
     before = spec.stats()
-    for p in params:
-        [expected], [got] = base.generate(chats(LIST), p), spec.generate(chats(LIST), p)
+    for expected, got in zip(base.generate(chats(LIST, LIST), params), spec.generate(chats(LIST, LIST), params)):
         assert_same(expected, got)
     assert spec.stats().accepted_draft_tokens > before.accepted_draft_tokens
 

@@ -131,9 +131,10 @@ def test_silu_mul_matches_the_projection_then_the_activation_kernel(triton_inter
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# 1,024 inputs split both kernels along K as 4,096 did (one step, or two K tiles, a split; fewer splits).
 @pytest.mark.parametrize("rows, large, in_features, out_features",
-                         [(1, False, 256, 202), (1, True, 256, 200), (1, True, 256, 208), (1, True, 4096, 48),
-                          (6, False, 256, 202), (6, False, 4096, 48)],
+                         [(1, False, 256, 202), (1, True, 256, 200), (1, True, 256, 208), (1, True, 1024, 48),
+                          (6, False, 256, 202), (6, False, 1024, 48)],
                          ids=["small", "large-partial-tile", "large", "large-split-k", "few-rows", "few-rows-split-k"])
 def test_add_norm_epilogue_and_norm_in_are_the_separate_norm(triton_interpreter, monkeypatch, dtype, rows, large,
                                                             in_features, out_features) -> None:
