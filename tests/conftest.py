@@ -113,10 +113,14 @@ def few_row_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The converted default model: reused from $MINILLM_MODELS_DIR if set, else converted once
-    per session (~20 s) under pytest's temporary directory."""
+    per run (~20 s) under pytest's temporary directory; xdist's workers share it (the conversion
+    locks, so the second waits for the first rather than converting beside it)."""
     if os.environ.get("MINILLM_MODELS_DIR"):
         return ensure_default_model()
-    return ensure_default_model(tmp_path_factory.mktemp("models") / DEFAULT_DIR_NAME)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    return ensure_default_model(root / "models" / DEFAULT_DIR_NAME)
 
 
 @pytest.fixture(scope="session")
