@@ -33,8 +33,8 @@ $(HELM): tools/get_helm.py | $(STAMP)
 	$(BIN)/python tools/get_helm.py
 
 # Test files spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, which keeps
-# its fixtures), torch on one thread in each and in their servers: with two threads apiece their OpenMP
-# threads spin for cores the others hold, and two workers run slower than one.
+# its fixtures), torch on one thread in each and in their servers, so that no process's OpenMP threads
+# spin for a core another holds.
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
